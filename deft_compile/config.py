@@ -1,0 +1,50 @@
+"""User-facing configuration of a compiled training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deft_compile.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, MiB
+
+
+@dataclass(frozen=True)
+class DeftConfig:
+    """Knobs of ``deft_compile``; the defaults reproduce PyTorch DDP's behaviour.
+
+    Attributes:
+        bucket_cap_mb: size cap of a gradient bucket (DDP's ``bucket_cap_mb``).
+        first_bucket_mb: size cap of the first bucket, small so communication
+            starts early in backward (DDP uses 1 MiB).
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm running stats)
+            before every forward, as DDP does by default.
+        check_consistency: before the first step, compare parameter names,
+            shapes, dtypes and the captured graph across ranks and raise
+            ``ModelMismatchError`` if they differ.
+        peer_check_timeout_s: after a failed collective, how long survivors wait
+            for every rank to report in through the store before naming the
+            ranks that did not.
+        max_cached_graphs: how many captured graphs (one per input shape, module
+            mode and optimizer hyper-parameters) are kept before the oldest is
+            dropped.
+    """
+
+    bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
+    first_bucket_mb: float = DDP_FIRST_BUCKET_BYTES / MiB
+    broadcast_buffers: bool = True
+    check_consistency: bool = True
+    peer_check_timeout_s: float = 5.0
+    max_cached_graphs: int = 8
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
+            raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
+        if self.max_cached_graphs < 1:
+            raise ValueError("max_cached_graphs must be at least 1")
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * MiB)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        return int(self.first_bucket_mb * MiB)

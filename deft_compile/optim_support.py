@@ -1,0 +1,128 @@
+"""Which optimizers can be captured, and how they are put into a traceable mode.
+
+Only per-parameter, element-wise optimizers are accepted: their update of one
+parameter reads that parameter's gradient and state and nothing else, which is
+what lets a pass bucket, reorder or delay updates per parameter. Coupled updates
+(LBFGS's line search, anything clipping by a global norm inside ``step``) would
+be silently wrong, so they are refused with a clear error.
+
+While tracing we switch every param group to the single-tensor implementation
+(``foreach=False, fused=False``) so each parameter's update is its own subgraph,
+and to ``capturable=True`` where the optimizer has it, so the step counter stays
+a tensor in the graph instead of a Python number frozen at trace time. Both are
+the same math as the user's setting; ``capturable`` evaluates the bias
+corrections in float32 tensors rather than Python floats, which is why Adam and
+AdamW agree with eager to round-off (about 1e-7 relative) rather than bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from deft_compile.errors import UnsupportedOptimizerError
+
+SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+)
+
+# Options forced while tracing; restored afterwards.
+_TRACE_OVERRIDES = {"foreach": False, "fused": False}
+_CAPTURABLE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``UnsupportedOptimizerError`` unless every update is per-parameter."""
+    kind = type(optimizer)
+    if kind not in SUPPORTED_OPTIMIZERS:
+        names = ", ".join(o.__name__ for o in SUPPORTED_OPTIMIZERS)
+        raise UnsupportedOptimizerError(
+            f"{kind.__module__}.{kind.__qualname__} is not supported: deft_compile needs an optimizer "
+            f"whose update of each parameter reads only that parameter's gradient and state "
+            f"(supported: {names}). Optimizers that couple parameters, such as LBFGS or a "
+            f"global-norm clip inside step(), cannot be bucketed or delayed."
+        )
+    for index, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable", False):
+            raise UnsupportedOptimizerError(
+                f"param group {index} has differentiable=True; deft_compile captures a "
+                f"non-differentiable update"
+            )
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor) and key != "params":
+                raise UnsupportedOptimizerError(
+                    f"param group {index} has a tensor hyper-parameter {key!r}; pass a Python number"
+                )
+
+
+def hyperparameter_key(optimizer: torch.optim.Optimizer) -> tuple:
+    """A hashable fingerprint of every group's hyper-parameters.
+
+    Hyper-parameters are baked into the graph as constants, so a change (an LR
+    scheduler step) must select or build another graph rather than reuse a
+    stale one.
+    """
+    return tuple(
+        tuple(sorted((k, _freeze(v)) for k, v in group.items() if k != "params"))
+        for group in optimizer.param_groups
+    )
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+@contextlib.contextmanager
+def traceable_optimizer(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    param_index: dict[torch.Tensor, int],
+    state: dict[int, dict[str, Any]],
+) -> Iterator[dict[torch.Tensor, dict[str, Any]]]:
+    """Point ``optimizer`` at traced tensors for the duration of a trace.
+
+    ``params`` are the tensors the traced function sees (graph inputs), in the
+    capture's order; ``param_index`` maps each live parameter to its position;
+    ``state`` holds, per position, the optimizer state to start from. Yields the
+    state dict keyed by the traced tensors, which the optimizer fills in place.
+    Everything is restored afterwards, even when tracing fails.
+    """
+    saved_groups = [dict(group) for group in optimizer.param_groups]
+    saved_state = optimizer.state
+    traced_state = _StateDict()
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [params[param_index[p]] for p in group["params"]]
+            for key, value in _TRACE_OVERRIDES.items():
+                if key in group:
+                    group[key] = value
+            if isinstance(optimizer, _CAPTURABLE_OPTIMIZERS):
+                group["capturable"] = True
+        for index, entries in state.items():
+            traced_state[params[index]] = dict(entries)
+        optimizer.state = traced_state
+        yield traced_state
+    finally:
+        for group, saved in zip(optimizer.param_groups, saved_groups):
+            group.clear()
+            group.update(saved)
+        optimizer.state = saved_state
+
+
+class _StateDict(dict):
+    """``defaultdict(dict)`` keyed by tensor identity, like ``Optimizer.state``."""
+
+    def __missing__(self, key: torch.Tensor) -> dict:
+        value: dict = {}
+        self[key] = value
+        return value

@@ -1,0 +1,43 @@
+"""Broadcast rank 0's buffers at the start of every step, as DDP does by default.
+
+BatchNorm running statistics are updated locally in forward from each rank's own
+batch; DDP overwrites every rank's buffers with rank 0's before each forward
+(``broadcast_buffers=True``). The pass does the same inside the graph: one
+coalesced broadcast per dtype, then ``copy_`` into the live buffers, before any
+node reads them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from deft_compile.passes.collectives import BROADCAST, WAIT, emit_flatten, emit_unflatten
+
+aten = torch.ops.aten
+
+
+def insert_buffer_broadcast(
+    gm: fx.GraphModule, *, buffer_positions: list[int], group_name: str, src: int = 0
+) -> fx.GraphModule:
+    """Broadcast the graph inputs at ``buffer_positions`` (placeholder indices) from ``src``."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    buffers = [placeholders[i] for i in buffer_positions if placeholders[i].meta["val"].numel() > 0]
+    if not buffers:
+        return gm
+    by_dtype: dict[torch.dtype, list[fx.Node]] = defaultdict(list)
+    for buffer in buffers:
+        by_dtype[buffer.meta["val"].dtype].append(buffer)
+    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first_compute):
+        for group in by_dtype.values():
+            flat = emit_flatten(graph, group)
+            received = graph.call_function(WAIT, (graph.call_function(BROADCAST, (flat, src, group_name)),))
+            for buffer, value in zip(group, emit_unflatten(graph, received, group)):
+                graph.call_function(aten.copy_.default, (buffer, value))
+    graph.lint()
+    gm.recompile()
+    return gm
