@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import linecache
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -295,14 +297,33 @@ class _ModuleTracker:
         if self._stack:
             module = self._stack[-1]
             where = f"module '{self._names[module]}' ({type(module).__name__})"
-        op_text = f"op {op}" if op is not None else f"{type(exc).__name__}"
+        kind = type(exc).__name__
+        if op is not None:
+            what = f"op {op}"
+        elif "DataDependent" in kind:
+            what = "a branch on a tensor's value (bool(), if or while on a tensor)"
+        else:
+            what = kind
         hint = ""
-        if op is not None and "_local_scalar_dense" in str(op):
-            hint = (
-                " (it reads a tensor's value in Python: .item(), bool(tensor), if/while on a tensor, "
-                "or .tolist(); such data-dependent control flow cannot be captured in one graph)"
-            )
-        elif op is not None and ("nonzero" in str(op) or "unique" in str(op) or "masked_select" in str(op)):
-            hint = " (its output shape depends on tensor values, which one static graph cannot express)"
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"cannot capture the training step: {op_text} in {where} during {self._phase}{hint}: {first_line}"
+        if "DataDependent" in kind or (op is not None and "_local_scalar_dense" in str(op)):
+            hint = " (data-dependent control flow cannot be captured in one static graph; use torch.where or torch.cond)"
+        source = _user_source_line(exc)
+        at = f" at {source}" if source else ""
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else kind
+        return f"cannot capture the training step: {what} in {where} during {self._phase}{at}{hint}: {first_line}"
+
+
+def _user_source_line(exc: BaseException) -> str | None:
+    """``file:line: code`` of the innermost traceback frame outside torch and deft_compile."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)) + os.sep + "deft_compile")
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith(skip) and "/contextlib.py" not in filename and not filename.startswith("<"):
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    code = linecache.getline(found[0], found[1]).strip()
+    return f"{os.path.basename(found[0])}:{found[1]}: {code}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,8 +69,9 @@ def _first_difference(a: Any, b: Any) -> str:
     return f"{a!r} vs {b!r}"
 
 
-def model_fingerprint(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[tuple]:
-    return [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for name, t in zip(names, tensors)]
+def model_fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple]:
+    """(name, shape, dtype, requires_grad) per tensor: what ranks must agree on to train one model."""
+    return [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for name, t in named_tensors]
 
 
 def diagnose_peer_failure(exc: BaseException, group: dist.ProcessGroup, step: int, timeout_s: float) -> PeerFailureError:

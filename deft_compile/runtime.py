@@ -67,6 +67,8 @@ class CompiledStep:
         self.trace_count = 0
         self.last_trace_seconds = 0.0
         if self._process_group is not None:
+            if config.check_consistency:
+                self._check_model_across_ranks()
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self._process_group)
 
     @property
@@ -143,6 +145,21 @@ class CompiledStep:
             self._graphs.popitem(last=False)
         return compiled
 
+    def _check_model_across_ranks(self) -> None:
+        """Before anything is broadcast: same parameters, buffers, optimizer layout and policy everywhere."""
+        names = {p: n for n, p in self.model.named_parameters()}
+        check_same_across_ranks(
+            {
+                "parameters": model_fingerprint(self.model.named_parameters()),
+                "buffers": model_fingerprint(self.model.named_buffers()),
+                "optimizer": type(self.optimizer).__name__,
+                "param groups": [[names.get(p, "?") for p in g["params"]] for g in self.optimizer.param_groups],
+                "optimizer hyper-parameters": repr(hyperparameter_key(self.optimizer)),
+                "policy": self.policy,
+            },
+            self._process_group,
+        )
+
     def _verify_across_ranks(self, compiled: CompiledGraph) -> None:
         """Check once, before the first collective, that every rank will run the same communication.
 
@@ -155,17 +172,7 @@ class CompiledStep:
         signature = compiled.collective_signature()
         if self._verified_signature is None:
             if self.config.check_consistency:
-                state = compiled.captured.model_state
-                check_same_across_ranks(
-                    {
-                        "optimizer": type(self.optimizer).__name__,
-                        "policy": self.policy,
-                        "parameters": model_fingerprint(state.param_names, state.params),
-                        "buffers": model_fingerprint(state.buffer_names, state.buffers),
-                        "gradient buckets": signature,
-                    },
-                    self._process_group,
-                )
+                check_same_across_ranks({"gradient buckets": signature}, self._process_group)
             self._verified_signature = signature
         elif signature != self._verified_signature:
             raise DeftError(

@@ -8,6 +8,9 @@ where eager uses Python floats.
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from deft_compile.launcher import run_local_workers
@@ -18,13 +21,14 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def case_report(request):
-    results = run_local_workers(compare_with_ddp, 2, (request.param, STEPS), timeout_s=240)
-    return request.param, [r.value for r in results]
+def case_report(request, tmp_path_factory):
+    dump_dir = tmp_path_factory.mktemp(request.param)
+    results = run_local_workers(compare_with_ddp, 2, (request.param, STEPS, str(dump_dir)), timeout_s=240)
+    return request.param, [r.value for r in results], dump_dir
 
 
 def test_matches_ddp_after_every_step(case_report):
-    case, per_rank = case_report
+    case, per_rank, _dump_dir = case_report
     exact = CASES[case][5]
     for rank, report in enumerate(per_rank):
         assert len(report["steps"]) == STEPS
@@ -43,6 +47,29 @@ def test_matches_ddp_after_every_step(case_report):
 
 def test_one_graph_per_phase(case_report):
     """The first step creates optimizer state (one graph), later steps reuse the steady graph."""
-    _case, per_rank = case_report
+    _case, per_rank, _dump_dir = case_report
     for report in per_rank:
         assert report["traces"] == 2
+
+
+def test_dump_describes_the_graph_that_ran(case_report):
+    """The last dump of the steady graph is the code that ran, with one all-reduce per bucket."""
+    _case, per_rank, dump_dir = case_report
+    for rank, report in enumerate(per_rank):
+        steady = dump_dir / f"rank{rank}" / "graph_01"
+        passes = json.loads((steady / "passes.json").read_text())
+        assert [p["pass"] for p in passes][0] == "captured"
+        assert "bucket_allreduce" in [p["pass"] for p in passes]
+        allreduce_pass = next(p for p in passes if p["pass"] == "bucket_allreduce")
+        assert allreduce_pass["diff"]["_c10d_functional.all_reduce.default"] == report["buckets"]
+        assert allreduce_pass["diff"]["deft.gradient.default"] < 0
+        final = (steady / passes[-1]["file"]).read_text()
+        assert final.count("torch.ops._c10d_functional.all_reduce.default(") == report["buckets"]
+        assert final.count("torch.ops._c10d_functional.wait_tensor.default(") == report["code"].count(
+            "torch.ops._c10d_functional.wait_tensor.default("
+        )
+        assert _op_sequence(final) == _op_sequence(report["code"])
+
+
+def _op_sequence(code: str) -> list[str]:
+    return re.findall(r"torch\.ops\.[\w.]+(?=\()", code)

@@ -1,0 +1,144 @@
+"""World size 1 (no process group): the compiled step equals plain eager training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from deft_compile import deft_compile
+from models import CASES, DropoutMLP
+from workers import compare_with_eager
+
+
+def _assert_matches(report, exact):
+    for t, step in enumerate(report):
+        assert step["same_keys"], f"step {t}: parameters/buffers/state differ in keys"
+        if exact:
+            assert step["max_abs"] == 0.0 and step["loss_diff"] == 0.0, f"step {t}: {step}"
+        else:
+            assert step["max_rel"] <= 1e-6, f"step {t}: {step}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_eager(case):
+    _assert_matches(compare_with_eager(case, 6), CASES[case][5])
+
+
+@pytest.mark.parametrize(
+    "name, make_optimizer, exact",
+    [
+        ("sgd_foreach", lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, foreach=True), True),
+        ("sgd_dampening", lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, dampening=0.3), True),
+        ("adam_foreach_amsgrad", lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, foreach=True, amsgrad=True), False),
+        ("adamw_no_foreach", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False), False),
+        ("rmsprop", lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5), False),
+        ("adagrad", lambda m: torch.optim.Adagrad(m.parameters(), lr=1e-2), False),
+    ],
+)
+def test_optimizer_variants_match_eager(name, make_optimizer, exact):
+    _assert_matches(compare_with_eager("mlp_dropout_sgd", 5, optimizer_override=make_optimizer), exact)
+
+
+def test_changed_input_shape_retraces_and_stays_exact():
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in (8, 8, 5, 5, 8)]
+    report = compare_with_eager("mlp_dropout_sgd", 5, batches=batches)
+    _assert_matches(report, exact=True)
+    # step 0: first-step graph; step 1: steady graph; step 2: new shape; step 4: cached again.
+    assert [r["traces"] for r in report] == [1, 2, 3, 3, 3]
+
+
+def test_learning_rate_change_is_not_baked_in():
+    torch.manual_seed(0)
+    eager, compiled = DropoutMLP(), DropoutMLP()
+    compiled.load_state_dict(eager.state_dict())
+    eager.eval(), compiled.eval()
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    opt_c = torch.optim.SGD(compiled.parameters(), lr=0.1, momentum=0.9)
+    sched_e = torch.optim.lr_scheduler.StepLR(opt_e, step_size=2, gamma=0.5)
+    sched_c = torch.optim.lr_scheduler.StepLR(opt_c, step_size=2, gamma=0.5)
+    step = deft_compile(compiled, opt_c, F.cross_entropy)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for _ in range(6):
+        opt_e.zero_grad()
+        F.cross_entropy(eager(x), y).backward()
+        opt_e.step()
+        sched_e.step()
+        step(x, y)
+        sched_c.step()
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_train_and_eval_modes_get_their_own_graphs():
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    step(x, y)
+    model.eval()
+    step(x, y)
+    dropout_ops = [n for n in step.graph.graph_module.graph.nodes if "bernoulli" in str(n.target)]
+    assert dropout_ops == [], "eval mode must trace without Dropout"
+    assert step.trace_count == 2
+
+
+def test_model_that_returns_its_own_loss_with_kwargs():
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
+        def forward(self, x, *, target, scale=1.0):
+            return scale * ((self.linear(x) - target) ** 2).mean()
+
+    torch.manual_seed(0)
+    model = WithLoss()
+    reference = WithLoss()
+    reference.load_state_dict(model.state_dict())
+    step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, target = torch.randn(4, 3), torch.randn(4, 1)
+    for _ in range(3):
+        loss = step(x, target=target, scale=2.0)
+        opt.zero_grad()
+        expected = reference(x, target=target, scale=2.0)
+        expected.backward()
+        opt.step()
+        assert torch.equal(loss, expected.detach())
+        assert not loss.requires_grad
+    assert torch.equal(model.linear.weight, reference.linear.weight)
+
+
+def test_state_dicts_stay_usable_by_eager_training():
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = deft_compile(model, optimizer, F.cross_entropy)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for _ in range(3):
+        step(x, y)
+    state = optimizer.state_dict()
+    assert len(state["state"]) == len(list(model.parameters()))
+    assert all(float(s["step"]) == 3.0 for s in state["state"].values())
+    fresh = DropoutMLP()
+    fresh.load_state_dict(model.state_dict())
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-3)
+    fresh_optimizer.load_state_dict(state)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_deft_dump_environment_variable_writes_every_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEFT_DUMP", str(tmp_path))
+    model = DropoutMLP()
+    step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    files = sorted(p.name for p in (tmp_path / "graph_00").iterdir())
+    assert files[0] == "00_captured.py" and "passes.json" in files
+    assert any(name.endswith("strip_markers.py") for name in files)
+    last = sorted(f for f in files if f.endswith(".py"))[-1]
+    assert "deft.gradient" not in (tmp_path / "graph_00" / last).read_text()
+    assert "deft.gradient" in (tmp_path / "graph_00" / "00_captured.py").read_text()
