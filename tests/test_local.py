@@ -140,5 +140,5 @@ def test_deft_dump_environment_variable_writes_every_pass(tmp_path, monkeypatch)
     assert files[0] == "00_captured.py" and "passes.json" in files
     assert any(name.endswith("strip_markers.py") for name in files)
     last = sorted(f for f in files if f.endswith(".py"))[-1]
-    assert "deft.gradient" not in (tmp_path / "graph_00" / last).read_text()
-    assert "deft.gradient" in (tmp_path / "graph_00" / "00_captured.py").read_text()
+    assert "torch.ops.deft.gradient" not in (tmp_path / "graph_00" / last).read_text()
+    assert "torch.ops.deft.gradient" in (tmp_path / "graph_00" / "00_captured.py").read_text()
