@@ -45,8 +45,8 @@ class StepAnnotation:
     order: dict[fx.Node, int]
 
     def gradient_ready_order(self) -> list[int]:
-        """Indices of parameters with a gradient that the optimizer reads, in the order their gradients become ready."""
-        with_grads = [a for a in self.params if a.gradient_ready is not None and a.update_nodes]
+        """Indices of parameters with a gradient, in the order their gradients become ready."""
+        with_grads = [a for a in self.params if a.gradient_ready is not None]
         with_grads.sort(key=lambda a: (self.order[a.gradient_ready], a.index))
         return [a.index for a in with_grads]
 

@@ -6,8 +6,10 @@ random numbers eager training would (Dropout stays exact). Parameters, buffers,
 optimizer state and the user's tensor inputs are graph inputs, in that order;
 the graph updates parameters, buffers and state *in place*, exactly like the
 eager optimizer, so the live ``model`` and ``optimizer`` stay the source of
-truth. Outputs are the detached loss followed by any optimizer state the step
-created instead of updating (first-step initialisation, e.g. Adam's moments).
+truth. Outputs are the detached loss, then any optimizer state the step created
+instead of updating (first-step initialisation, e.g. Adam's moments), then the
+gradients the optimizer applied (averaged, once the passes ran), which the
+runtime stores in ``param.grad`` as DDP leaves them.
 
 Marker ops from :mod:`deft_compile.ops` tag each parameter's gradient and the end
 of the forward pass; :mod:`deft_compile.annotate` reads them.
@@ -72,6 +74,7 @@ class CapturedStep:
     model_state: ModelState
     state_inputs: list[StateSlot]
     state_outputs: list[StateSlot]
+    gradient_outputs: list[int]
     num_user_inputs: int
     user_spec: pytree.TreeSpec
     user_constants: list[Any]
@@ -144,6 +147,7 @@ def capture_step(
     user_tensors, user_constants, user_spec = split_user_inputs(args, kwargs)
     num_params, num_buffers, num_states = len(model_state.params), len(model_state.buffers), len(state_inputs)
     state_outputs: list[StateSlot] = []
+    gradient_outputs: list[int] = []
     extra_state: dict[int, dict[str, Any]] = {}
     tracker = _ModuleTracker(model)
 
@@ -190,7 +194,12 @@ def capture_step(
                             new_state.append(value)
                     else:
                         extra_state.setdefault(index, {})[key] = value
-        return (loss.detach(), *new_state)
+        gradients = []
+        for index, p in enumerate(params):
+            if p.grad is not None:
+                gradient_outputs.append(index)
+                gradients.append(p.grad)
+        return (loss.detach(), *new_state, *gradients)
 
     example = [p.detach().requires_grad_(p.requires_grad) for p in model_state.params]
     example += [b.detach() for b in model_state.buffers]
@@ -208,6 +217,7 @@ def capture_step(
         model_state=model_state,
         state_inputs=list(state_inputs),
         state_outputs=state_outputs,
+        gradient_outputs=gradient_outputs,
         num_user_inputs=len(user_tensors),
         user_spec=user_spec,
         user_constants=user_constants,

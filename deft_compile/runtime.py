@@ -90,6 +90,9 @@ class CompiledStep:
             self._graphs.move_to_end(key)
         captured = compiled.captured
         inputs = self._graph_inputs(captured, user_tensors)
+        params = captured.model_state.params
+        for p in params:  # like zero_grad(set_to_none=True): the graph computes fresh gradients
+            p.grad = None
         try:
             with torch.no_grad():
                 outputs = compiled.graph_module(*inputs)
@@ -99,10 +102,14 @@ class CompiledStep:
                     exc, self._process_group, self.step_count, self.config.peer_check_timeout_s
                 ) from exc
             raise
-        for (index, key_name), tensor in zip(captured.state_outputs, outputs[1:]):
-            self.optimizer.state[captured.model_state.params[index]][key_name] = tensor
+        new_state = outputs[1 : 1 + len(captured.state_outputs)]
+        gradients = outputs[1 + len(captured.state_outputs) :]
+        for (index, key_name), tensor in zip(captured.state_outputs, new_state):
+            self.optimizer.state[params[index]][key_name] = tensor
         for index, entries in captured.extra_state.items():
-            self.optimizer.state[captured.model_state.params[index]].update(entries)
+            self.optimizer.state[params[index]].update(entries)
+        for index, gradient in zip(captured.gradient_outputs, gradients):
+            params[index].grad = gradient
         self.step_count += 1
         return outputs[0]
 

@@ -21,6 +21,7 @@ def _max_errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, fl
 
 def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     tensors = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
+    tensors.update({f"grad:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
     tensors.update({f"buffer:{n}": b for n, b in model.named_buffers()})
     names = {p: n for n, p in model.named_parameters()}
     for p, state in optimizer.state.items():
