@@ -1,0 +1,38 @@
+"""Solvers: turn a Profile into a Plan for one scheduling policy.
+
+``solve(profile, policy, **options)`` dispatches to ``wfbp``,
+``bytescheduler``, ``usbyte`` or ``deft``; each module's docstring states its
+algorithm, search and assumptions. No torch here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from deft_compile.plan import Plan, Profile
+from deft_compile.solvers.bytescheduler import solve_bytescheduler
+from deft_compile.solvers.deft import solve_deft
+from deft_compile.solvers.knapsack import knapsack_01, knapsack_time
+from deft_compile.solvers.usbyte import solve_usbyte
+from deft_compile.solvers.wfbp import solve_wfbp
+
+SOLVERS: dict[str, Callable[..., Plan]] = {
+    "wfbp": solve_wfbp,
+    "bytescheduler": solve_bytescheduler,
+    "usbyte": solve_usbyte,
+    "deft": solve_deft,
+}
+POLICIES: tuple[str, ...] = tuple(SOLVERS)
+
+
+def solve(profile: Profile, policy: str, **options: Any) -> Plan:
+    """Plan for ``policy`` on ``profile``; options go to that policy's solver."""
+    try:
+        solver = SOLVERS[policy]
+    except KeyError:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}") from None
+    return solver(profile, **options)
+
+
+__all__ = ["POLICIES", "SOLVERS", "knapsack_01", "knapsack_time", "solve", "solve_bytescheduler",
+           "solve_deft", "solve_usbyte", "solve_wfbp"]
