@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deft_compile.config import DeftConfig
+from deft_compile.plan import Profile
 from deft_compile.runtime import CompiledStep
 
 
@@ -22,6 +23,7 @@ def deft_compile(
     config: DeftConfig | None = None,
     process_group: dist.ProcessGroup | None = None,
     dump_dir: str | os.PathLike | None = None,
+    profile: Profile | None = None,
 ) -> CompiledStep:
     """Compile a whole data-parallel training step of ``model`` and ``optimizer``.
 
@@ -43,12 +45,15 @@ def deft_compile(
         optimizer: a per-parameter optimizer over ``model``'s parameters (SGD,
             Adam, AdamW, RMSprop, Adagrad).
         loss_fn: optional ``loss_fn(output, targets) -> scalar``.
-        policy: communication schedule; ``"wfbp"`` is PyTorch DDP's
-            wait-free back-propagation with gradient buckets.
+        policy: communication schedule: ``"wfbp"`` (PyTorch DDP's wait-free
+            back-propagation with gradient buckets), ``"bytescheduler"``,
+            ``"usbyte"`` or ``"deft"`` (see ``docs/POLICIES.md``).
         config: bucket sizes, buffer broadcasting and checks (``DeftConfig``).
         process_group: the data-parallel group.
         dump_dir: if set (or the environment variable ``DEFT_DUMP`` is), the
             readable graph after every pass is written there.
+        profile: a saved ``deft_compile.plan.Profile`` to plan from instead of
+            measuring on the first step.
     """
     if dump_dir is None and os.environ.get("DEFT_DUMP"):
         dump_dir = os.environ["DEFT_DUMP"]
@@ -60,4 +65,5 @@ def deft_compile(
         config=config if config is not None else DeftConfig(),
         process_group=process_group,
         dump_dir=dump_dir,
+        profile=profile,
     )

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from deft_compile import ops
 from deft_compile.errors import LossError, TraceError
+from deft_compile.layout import GraphLayout
 from deft_compile.optim_support import traceable_optimizer
 
 StateSlot = tuple[int, str]  # (parameter index, optimizer-state key)
@@ -212,6 +213,14 @@ def capture_step(
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the op and module named
         raise TraceError(tracker.describe_failure(exc)) from exc
+    graph_module.meta["deft_layout"] = GraphLayout(
+        num_params=num_params,
+        num_buffers=num_buffers,
+        state_inputs=list(state_inputs),
+        num_user_inputs=len(user_tensors),
+        state_outputs=list(state_outputs),
+        gradient_outputs=list(gradient_outputs),
+    )
     return CapturedStep(
         graph_module=graph_module,
         model_state=model_state,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from deft_compile.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, MiB
 
@@ -26,6 +27,8 @@ class DeftConfig:
         max_cached_graphs: how many captured graphs (one per input shape, module
             mode and optimizer hyper-parameters) are kept before the oldest is
             dropped.
+        plan_options: extra keyword options for the policy's solver (see
+            ``deft_compile.solvers``), e.g. ``{"max_staleness": 0}`` for DeFT.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -34,6 +37,7 @@ class DeftConfig:
     check_consistency: bool = True
     peer_check_timeout_s: float = 5.0
     max_cached_graphs: int = 8
+    plan_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:

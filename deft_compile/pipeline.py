@@ -1,9 +1,10 @@
-"""Turn a captured step into the graph that runs: the ordered pass list of each policy.
+"""Turn a captured step into the graph that runs: the ordered pass list.
 
-As in torchtitan's graph trainer, a policy is an ordered list of named passes,
-each a plain ``GraphModule -> GraphModule`` function (context bound with
+As in torchtitan's graph trainer, the compiled step is an ordered list of named
+passes, each a plain ``GraphModule -> GraphModule`` function (context bound with
 ``functools.partial``). ``run_passes`` applies them in order and hands every
-intermediate graph to the dumper.
+intermediate graph to the dumper. What differs between policies is the list of
+``ScheduledItem``s the ``schedule`` pass executes (see ``deft_compile.scheduling``).
 """
 
 from __future__ import annotations
@@ -15,23 +16,22 @@ from typing import Callable
 import torch.fx as fx
 
 from deft_compile.annotate import StepAnnotation, annotate
-from deft_compile.bucketing import assign_buckets
 from deft_compile.capture import CapturedStep
 from deft_compile.config import DeftConfig
 from deft_compile.dump import GraphDumper
+from deft_compile.layout import GraphLayout, layout_of
 from deft_compile.passes.broadcast_buffers import insert_buffer_broadcast
-from deft_compile.passes.bucket_allreduce import insert_bucket_allreduce
 from deft_compile.passes.cleanup import remove_detach, remove_profiler_ops
 from deft_compile.passes.markers import strip_markers
 from deft_compile.passes.optimizer_numerics import promote_bias_corrections
+from deft_compile.passes.schedule import ScheduledItem, apply_schedule
 
 Pass = Callable[[fx.GraphModule], fx.GraphModule]
-POLICIES = ("wfbp",)
 
 
 @dataclass(frozen=True)
 class CommGroup:
-    """The process group a step communicates over, by name (what functional collectives take)."""
+    """A process group a step communicates over, by name (what functional collectives take)."""
 
     name: str
     rank: int
@@ -44,12 +44,17 @@ class CompiledGraph:
 
     captured: CapturedStep
     graph_module: fx.GraphModule
-    buckets: list[list[int]]
+    items: list[ScheduledItem]
+    carry_in: bool
+    flush: bool
 
-    def collective_signature(self) -> list[tuple[int, ...]]:
-        """Per bucket, the numel of each member: what ranks must agree on to communicate."""
-        params = self.captured.model_state.params
-        return [tuple(params[i].numel() for i in bucket) for bucket in self.buckets]
+    @property
+    def layout(self) -> GraphLayout:
+        return layout_of(self.graph_module)
+
+    def collective_signature(self) -> list[tuple]:
+        """Per item, its group and the element counts it carries: what ranks must agree on."""
+        return [(item.group_name, tuple(s.count for s in item.slices), item.apply) for item in self.items]
 
 
 def annotate_capture(captured: CapturedStep) -> StepAnnotation:
@@ -59,43 +64,28 @@ def annotate_capture(captured: CapturedStep) -> StepAnnotation:
     return annotate(captured.graph_module.graph, captured.param_placeholders(), states_by_param)
 
 
-def ddp_buckets(captured: CapturedStep, annotation: StepAnnotation, config: DeftConfig) -> list[list[int]]:
-    """DDP buckets over the parameters the optimizer updates, in gradient-ready order."""
-    ready = annotation.gradient_ready_order()
-    params = captured.model_state.params
-    sizes = [params[i].numel() * params[i].element_size() for i in ready]
-    keys = [(params[i].dtype, params[i].device) for i in ready]
-    buckets = assign_buckets(
-        sizes, keys, first_bucket_bytes=config.first_bucket_bytes, bucket_cap_bytes=config.bucket_cap_bytes
-    )
-    return [[ready[i] for i in bucket] for bucket in buckets]
-
-
 def build_passes(
-    policy: str, captured: CapturedStep, buckets: list[list[int]], group: CommGroup | None, config: DeftConfig
+    captured: CapturedStep,
+    items: list[ScheduledItem],
+    group: CommGroup | None,
+    config: DeftConfig,
+    *,
+    carry_in: bool = False,
+    flush: bool = False,
 ) -> list[tuple[str, Pass]]:
-    """The ordered passes of ``policy``; no collectives when ``group`` is None (one process)."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+    """The ordered passes; no collectives when ``group`` is None (one process)."""
     passes: list[tuple[str, Pass]] = [
         ("remove_profiler_ops", remove_profiler_ops),
         ("remove_detach", remove_detach),
         ("promote_bias_corrections", promote_bias_corrections),
     ]
     if group is not None and group.world_size > 1:
-        if config.broadcast_buffers and captured.num_buffers:
+        if config.broadcast_buffers and captured.num_buffers and not flush:
             positions = list(range(captured.num_params, captured.num_params + captured.num_buffers))
             passes.append(
                 ("broadcast_buffers", functools.partial(insert_buffer_broadcast, buffer_positions=positions, group_name=group.name))
             )
-        passes.append(
-            (
-                "bucket_allreduce",
-                functools.partial(
-                    insert_bucket_allreduce, buckets=buckets, group_name=group.name, world_size=group.world_size
-                ),
-            )
-        )
+        passes.append(("schedule", functools.partial(apply_schedule, items=items, carry_in=carry_in, flush=flush)))
     passes.append(("strip_markers", strip_markers))
     return passes
 
@@ -109,10 +99,15 @@ def run_passes(gm: fx.GraphModule, passes: list[tuple[str, Pass]], dumper: Graph
 
 
 def compile_captured(
-    captured: CapturedStep, policy: str, group: CommGroup | None, config: DeftConfig, dumper: GraphDumper
+    captured: CapturedStep,
+    items: list[ScheduledItem],
+    group: CommGroup | None,
+    config: DeftConfig,
+    dumper: GraphDumper,
+    *,
+    carry_in: bool = False,
+    flush: bool = False,
 ) -> CompiledGraph:
-    annotation = annotate_capture(captured)
-    buckets = ddp_buckets(captured, annotation, config) if group is not None and group.world_size > 1 else []
-    passes = build_passes(policy, captured, buckets, group, config)
+    passes = build_passes(captured, items, group, config, carry_in=carry_in, flush=flush)
     gm = run_passes(captured.graph_module, passes, dumper)
-    return CompiledGraph(captured=captured, graph_module=gm, buckets=buckets)
+    return CompiledGraph(captured=captured, graph_module=gm, items=items, carry_in=carry_in, flush=flush)

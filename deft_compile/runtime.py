@@ -25,18 +25,26 @@ from deft_compile.distributed import (
 from deft_compile.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.optim_support import check_optimizer, hyperparameter_key
-from deft_compile.pipeline import POLICIES, CompiledGraph, compile_captured
+from deft_compile.passes.schedule import ScheduledItem
+from deft_compile.pipeline import CompiledGraph, annotate_capture, compile_captured
+from deft_compile.plan import LinkCost, Plan, Profile
+from deft_compile.scheduling import ProfileIndex, scheduled_items, static_profile
+from deft_compile.solvers import POLICIES, solve
 
 log = logging.getLogger("deft_compile")
 
+# Policies whose plan does not depend on measured times: no profiling needed.
+_STATIC_POLICIES = ("wfbp",)
+
 
 class CompiledStep:
-    """One call = forward, loss, backward, gradient averaging and the optimizer update.
+    """One call = forward, loss, backward, gradient communication and the optimizer update.
 
     Graphs are cached by everything that changes what is traced: the shapes,
     dtypes and devices of the tensor inputs, non-tensor inputs, the train/eval
-    mode of every module, the optimizer's hyper-parameters, and which optimizer
-    state already exists (the first step creates it). A new key retraces, so a
+    mode of every module, the optimizer's hyper-parameters, which optimizer
+    state already exists (the first step creates it), and whether the previous
+    step left pending communication ("carries"). A new key retraces, so a
     changed input shape or a learning-rate change never reuses a stale graph.
     """
 
@@ -50,6 +58,7 @@ class CompiledStep:
         config: DeftConfig,
         process_group: dist.ProcessGroup | None,
         dump_dir: str | os.PathLike | None,
+        profile: Profile | None = None,
     ) -> None:
         check_optimizer(optimizer)
         if policy not in POLICIES:
@@ -61,7 +70,12 @@ class CompiledStep:
         self.config = config
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.comm_group, self._process_group = resolve_group(process_group)
+        self.profile: Profile | None = profile
+        self.plan: Plan | None = None
+        self._items: list[ScheduledItem] = []
         self._graphs: collections.OrderedDict[tuple, CompiledGraph] = collections.OrderedDict()
+        self._carry: dict[int, torch.Tensor] = {}
+        self._last_call: tuple[tuple, dict] | None = None
         self._verified_signature: list | None = None
         self.step_count = 0
         self.trace_count = 0
@@ -71,6 +85,7 @@ class CompiledStep:
                 self._check_model_across_ranks()
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self._process_group)
 
+    # -- public ---------------------------------------------------------------
     @property
     def world_size(self) -> int:
         return self.comm_group.world_size if self.comm_group is not None else 1
@@ -80,17 +95,163 @@ class CompiledStep:
         """The graph used by the most recent step."""
         return next(reversed(self._graphs.values()), None)
 
+    @property
+    def pending(self) -> list[int]:
+        """Ids of plan items whose communication or update is still pending (applied by the next step or ``flush``)."""
+        return sorted(self._carry)
+
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
-        key = self._cache_key(user_tensors, constants, spec)
+        key = self._cache_key(user_tensors, constants, spec, flush=False)
         compiled = self._graphs.get(key)
         if compiled is None:
-            compiled = self._compile(key, args, kwargs)
+            compiled = self._compile(key, args, kwargs, flush=False)
         else:
             self._graphs.move_to_end(key)
-        captured = compiled.captured
-        inputs = self._graph_inputs(captured, user_tensors)
+        outputs = self._run(compiled, user_tensors)
+        self._last_call = (args, kwargs)
+        self.step_count += 1
+        return outputs
+
+    def flush(self) -> None:
+        """Apply every pending update now (delayed gradients, updates deferred to the next forward).
+
+        After ``flush`` the model holds every gradient computed so far; the next
+        step starts like a first step of the pending items. Without pending
+        communication this does nothing.
+        """
+        if not self._carry:
+            return
+        if self._last_call is None:
+            raise DeftError("pending updates were loaded but no step has run; run a step or flush after one")
+        args, kwargs = self._last_call
+        user_tensors, constants, spec = split_user_inputs(args, kwargs)
+        key = self._cache_key(user_tensors, constants, spec, flush=True)
+        compiled = self._graphs.get(key) or self._compile(key, args, kwargs, flush=True)
+        self._run(compiled, [])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, plan, profile and pending gradients (waited, so they can be saved)."""
+        carry = {}
+        for item_id, tensor in self._carry.items():
+            carry[item_id] = torch.ops._c10d_functional.wait_tensor.default(tensor).clone()
+        self._carry = {item_id: carry[item_id].clone() for item_id in carry}
+        return {
+            "step_count": self.step_count,
+            "policy": self.policy,
+            "plan": self.plan.to_json() if self.plan is not None else None,
+            "profile": self.profile.to_json() if self.profile is not None else None,
+            "pending": carry,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the loaded plan is used as is (no re-profiling), pending gradients continue."""
+        if state["policy"] != self.policy:
+            raise DeftError(f"state was saved with policy {state['policy']!r}, this step uses {self.policy!r}")
+        self.step_count = int(state["step_count"])
+        if state["profile"] is not None:
+            self.profile = Profile.from_json(state["profile"])
+        if state["plan"] is not None:
+            plan = Plan.from_json(state["plan"])
+            if self.plan is not None and plan.hash() != self.plan.hash():
+                raise DeftError("the saved plan differs from the one this step already uses")
+            self.plan = plan
+            self._items = []
+        self._carry = {int(k): v.clone() for k, v in state["pending"].items()}
+
+    # -- graphs -----------------------------------------------------------------
+    def _cache_key(self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any, *, flush: bool) -> tuple:
+        tensor_key = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in user_tensors)
+        modes = tuple(m.training for m in self.model.modules())
+        return (
+            tensor_key,
+            repr(constants),
+            repr(spec),
+            modes,
+            hyperparameter_key(self.optimizer),
+            tuple(self._existing_state_slots()),
+            bool(self._carry),
+            flush,
+        )
+
+    def _existing_state_slots(self) -> list[StateSlot]:
+        slots = []
+        for index, p in enumerate(self.model.parameters()):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    slots.append((index, key))
+        return slots
+
+    def _compile(self, key: tuple, args: tuple, kwargs: dict, *, flush: bool) -> CompiledGraph:
+        started = time.perf_counter()
+        captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
+        if self.comm_group is not None and not self._items:
+            self._plan(captured, args, kwargs)
+        dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
+        compiled = compile_captured(
+            captured, self._items, self.comm_group, self.config, GraphDumper(dump_dir), carry_in=bool(self._carry), flush=flush
+        )
+        self.trace_count += 1
+        self.last_trace_seconds = time.perf_counter() - started
+        log.info(
+            "captured step graph %d (%s%s, %d nodes, %d communication items) in %.2f s",
+            self.trace_count,
+            "flush" if flush else "step",
+            ", with pending communication" if self._carry else "",
+            len(compiled.graph_module.graph.nodes),
+            len(self._items),
+            self.last_trace_seconds,
+        )
+        self._verify_across_ranks(compiled)
+        self._graphs[key] = compiled
+        while len(self._graphs) > self.config.max_cached_graphs:
+            self._graphs.popitem(last=False)
+        return compiled
+
+    def _plan(self, captured: CapturedStep, args: tuple, kwargs: dict) -> None:
+        """Profile (unless given or not needed), solve, check the plan hash across ranks, translate to items."""
+        annotation = annotate_capture(captured)
+        index = ProfileIndex.of(annotation)
+        if self.plan is None:
+            if self.profile is None:
+                if self.policy in _STATIC_POLICIES:
+                    self.profile = static_profile(captured, index, [LinkCost("default", 0.0, 0.0)], self.world_size)
+                else:
+                    from deft_compile.profiler import profile_step
+
+                    user_tensors, _, _ = split_user_inputs(args, kwargs)
+                    inputs = self._graph_inputs(captured.graph_module.meta["deft_layout"], captured, user_tensors)
+                    self.profile = profile_step(
+                        captured, annotation, inputs, [("default", self._process_group)], self.world_size
+                    )
+                    log.info("profiled the step:\n%s", self.profile.to_json())
+            self.plan = solve(self.profile, self.policy, **self._solver_options())
+            log.info("plan (%s):\n%s", self.policy, self.plan.table(self.profile))
+        if self.config.check_consistency:
+            check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
+        self._items = scheduled_items(self.plan, index, [self.comm_group])
+
+    def _solver_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = dict(self.config.plan_options)
+        if self.policy in ("wfbp", "deft"):
+            options.setdefault("first_bucket_bytes", self.config.first_bucket_bytes)
+            options.setdefault("bucket_cap_bytes", self.config.bucket_cap_bytes)
+        if self.policy == "deft":
+            options.setdefault("allow_period", False)
+        return options
+
+    # -- running ----------------------------------------------------------------
+    def _graph_inputs(self, layout, captured: CapturedStep, user_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         params = captured.model_state.params
+        state = [self.optimizer.state[params[index]][key] for index, key in layout.state_inputs]
+        carry = [self._carry[item_id] for item_id in layout.carry_inputs]
+        return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *carry]
+
+    def _run(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        layout = compiled.layout
+        captured = compiled.captured
+        params = captured.model_state.params
+        inputs = self._graph_inputs(layout, captured, user_tensors)
         for p in params:  # like zero_grad(set_to_none=True): the graph computes fresh gradients
             p.grad = None
         try:
@@ -102,56 +263,21 @@ class CompiledStep:
                     exc, self._process_group, self.step_count, self.config.peer_check_timeout_s
                 ) from exc
             raise
-        new_state = outputs[1 : 1 + len(captured.state_outputs)]
-        gradients = outputs[1 + len(captured.state_outputs) :]
-        for (index, key_name), tensor in zip(captured.state_outputs, new_state):
+        outputs = list(outputs)
+        loss = outputs.pop(0) if layout.has_loss else None
+        new_state = outputs[: len(layout.state_outputs)]
+        gradients = outputs[len(layout.state_outputs) : len(layout.state_outputs) + len(layout.gradient_outputs)]
+        carries = outputs[len(layout.state_outputs) + len(layout.gradient_outputs) :]
+        for (index, key_name), tensor in zip(layout.state_outputs, new_state):
             self.optimizer.state[params[index]][key_name] = tensor
         for index, entries in captured.extra_state.items():
             self.optimizer.state[params[index]].update(entries)
-        for index, gradient in zip(captured.gradient_outputs, gradients):
+        for index, gradient in zip(layout.gradient_outputs, gradients):
             params[index].grad = gradient
-        self.step_count += 1
-        return outputs[0]
+        self._carry = dict(zip(layout.carry_outputs, carries))
+        return loss
 
-    def _cache_key(self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any) -> tuple:
-        tensor_key = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in user_tensors)
-        modes = tuple(m.training for m in self.model.modules())
-        return (
-            tensor_key,
-            repr(constants),
-            repr(spec),
-            modes,
-            hyperparameter_key(self.optimizer),
-            tuple(self._existing_state_slots()),
-        )
-
-    def _existing_state_slots(self) -> list[StateSlot]:
-        slots = []
-        for index, p in enumerate(self.model.parameters()):
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    slots.append((index, key))
-        return slots
-
-    def _compile(self, key: tuple, args: tuple, kwargs: dict) -> CompiledGraph:
-        started = time.perf_counter()
-        captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
-        dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
-        compiled = compile_captured(captured, self.policy, self.comm_group, self.config, GraphDumper(dump_dir))
-        self.trace_count += 1
-        self.last_trace_seconds = time.perf_counter() - started
-        log.info(
-            "captured step graph %d (%d nodes, %d buckets) in %.2f s",
-            self.trace_count, len(compiled.graph_module.graph.nodes), len(compiled.buckets), self.last_trace_seconds,
-        )
-        if self.trace_count > 1:
-            log.info("retraced because the input shapes, module modes, optimizer hyper-parameters or state changed")
-        self._verify_across_ranks(compiled)
-        self._graphs[key] = compiled
-        while len(self._graphs) > self.config.max_cached_graphs:
-            self._graphs.popitem(last=False)
-        return compiled
-
+    # -- checks -----------------------------------------------------------------
     def _check_model_across_ranks(self) -> None:
         """Before anything is broadcast: same parameters, buffers, optimizer layout and policy everywhere."""
         names = {p: n for n, p in self.model.named_parameters()}
@@ -171,28 +297,21 @@ class CompiledStep:
         """Check once, before the first collective, that every rank will run the same communication.
 
         Later graphs (new input shapes) are compared locally with the verified
-        collective schedule, because a cross-rank check at that point could
-        deadlock against a rank that did not retrace.
+        schedule, because a cross-rank check at that point could deadlock
+        against a rank that did not retrace.
         """
         if self._process_group is None:
             return
         signature = compiled.collective_signature()
         if self._verified_signature is None:
             if self.config.check_consistency:
-                check_same_across_ranks({"gradient buckets": signature}, self._process_group)
+                check_same_across_ranks({"communication items": signature}, self._process_group)
             self._verified_signature = signature
         elif signature != self._verified_signature:
             raise DeftError(
-                "the retraced step communicates different gradient buckets than the first one "
-                f"({len(signature)} vs {len(self._verified_signature)} buckets); ranks could run mismatched "
-                "collectives. This happens when a new input shape or module mode changes which parameters get "
-                "gradients; keep that the same on every rank and every step"
+                "a retraced step communicates different items than the first one; ranks could run mismatched "
+                "collectives"
             )
-
-    def _graph_inputs(self, captured: CapturedStep, user_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        params = captured.model_state.params
-        state = [self.optimizer.state[params[index]][key] for index, key in captured.state_inputs]
-        return [*params, *captured.model_state.buffers, *state, *user_tensors]
 
 
 def _looks_like_collective_failure(exc: BaseException) -> bool:

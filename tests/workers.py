@@ -80,7 +80,7 @@ def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir
         )
     return {
         "steps": report,
-        "buckets": len(step.graph.buckets),
+        "buckets": len(step.graph.items),
         "traces": step.trace_count,
         "code": step.graph.graph_module.code,
     }
@@ -156,3 +156,212 @@ def compare_with_eager(case: str, steps: int, batches=None, optimizer_override=N
              "same_keys": set(expected) == set(actual), "traces": step.trace_count}
         )
     return report
+
+
+def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, comm_over_compute: float = 0.9):
+    """A deterministic profile of ``model`` (same on every rank): compute grows with size and
+    the link's all-reduce time totals ``comm_over_compute`` times the compute, so the solvers
+    partition, reorder and delay as they would on a slow network."""
+    import dataclasses
+
+    from deft_compile.plan import LinkCost
+    from deft_compile.profiler import profile_model
+
+    profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+    params = [
+        dataclasses.replace(p, forward_ms=0.2 + p.numel * 1e-4, backward_ms=0.4 + p.numel * 2e-4, update_ms=0.01)
+        for p in profile.params
+    ]
+    compute = sum(p.forward_ms + p.backward_ms for p in params)
+    link = LinkCost("synthetic", 0.05, comm_over_compute * compute / sum(p.nbytes for p in params))
+    return dataclasses.replace(profile, params=params, links=[link], world_size=world_size)
+
+
+POLICY_OPTIONS = {
+    "bytescheduler": {},
+    "usbyte": {},
+    "deft": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000},
+    "deft-sync": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000, "max_staleness": 0},
+}
+
+
+def _snapshot(model, optimizer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in _named_state(model, optimizer).items()}
+
+
+def _owner(name: str) -> str:
+    """The parameter a named tensor belongs to (``param:x``, ``grad:x``, ``state:x:key``)."""
+    kind, rest = name.split(":", 1)
+    return rest.rsplit(":", 1)[0] if kind == "state" else rest
+
+
+def _compare(actual: dict, expected: dict) -> dict:
+    missing = sorted(set(expected) ^ set(actual))
+    worst_abs, worst_rel, worst_name = 0.0, 0.0, ""
+    for name in expected.keys() & actual.keys():
+        absolute, relative = _max_errors(actual[name], expected[name])
+        if relative > worst_rel or (relative == worst_rel and absolute > worst_abs):
+            worst_abs, worst_rel, worst_name = absolute, relative, name
+    return {"max_abs": worst_abs, "max_rel": worst_rel, "worst": worst_name, "missing": missing,
+            "compared": len(expected.keys() & actual.keys())}
+
+
+def _pending_param_names(step) -> set[str]:
+    pending = set(step.pending)
+    return {step.profile.params[s.param].name for item in step.plan.items if item.id in pending for s in item.slices}
+
+
+def _graph_collectives(step) -> list[str]:
+    import re
+
+    code = step.graph.graph_module.code
+    return re.findall(r"_c10d_functional\.(all_reduce|wait_tensor|broadcast)\.default\(", code)
+
+
+def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str) -> dict:
+    """A timing-only policy must give DDP's numbers. Parameters whose update the plan defers to
+    the next step's forward are compared with DDP's previous step; after ``flush`` all with DDP's last."""
+    make_model, make_optimizer, make_batch, loss_fn, ddp_kwargs, _exact = CASES[case]
+    torch.manual_seed(0)
+    base = make_model()
+    ddp_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
+    ddp = DistributedDataParallel(ddp_model, **ddp_kwargs)
+    ddp_optimizer, deft_optimizer = make_optimizer(ddp_model), make_optimizer(deft_model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    solver_policy = "deft" if policy == "deft-sync" else policy
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=solver_policy, profile=profile,
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[policy]))
+    report = []
+    for t, (inputs, targets) in enumerate(batches):
+        before = _snapshot(ddp_model, ddp_optimizer)
+        torch.manual_seed(100 * rank + t)
+        ddp_optimizer.zero_grad(set_to_none=True)
+        loss_fn(ddp(inputs), targets).backward()
+        ddp_optimizer.step()
+        after = _named_state(ddp_model, ddp_optimizer)
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        deferred = _pending_param_names(step)
+        expected = {k: (before if _owner(k) in deferred else after)[k] for k in after.keys() | before.keys()
+                    if k in (before if _owner(k) in deferred else after)}
+        entry = _compare(_named_state(deft_model, deft_optimizer), expected)
+        entry.update(step=t, deferred=len(deferred), collectives=_graph_collectives(step))
+        report.append(entry)
+    step.flush()
+    final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+    return {"steps": report, "final": final, "items": len(step.plan.items), "pending_after_flush": step.pending,
+            "plan_hash": step.plan.hash(), "traces": step.trace_count}
+
+
+def _delayed_names(step) -> set[str]:
+    return {step.profile.params[s.param].name for item in step.plan.items if item.delay == 1 for s in item.slices}
+
+
+class DelayedReference:
+    """Eager training with DeFT's delayed semantics (DESIGN.md §4), written without deft_compile.
+
+    A delayed parameter's averaged gradient of step t is applied by the update of
+    step t+1; in the first step it has no gradient, so the optimizer leaves it
+    (and its state) alone. ``flush`` applies the last pending gradients.
+    """
+
+    def __init__(self, model, optimizer, loss_fn, delayed: set[str], world_size: int) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.delayed, self.world_size = delayed, world_size
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def _average(self, grad: torch.Tensor) -> torch.Tensor:
+        averaged = grad * (1.0 / self.world_size)
+        self.dist.all_reduce(averaged)
+        return averaged
+
+    def step(self, inputs, targets) -> None:
+        for buffer in self.model.buffers():
+            self.dist.broadcast(buffer, src=0)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss_fn(self.model(inputs), targets).backward()
+        pending = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            averaged = self._average(p.grad)
+            if name in self.delayed:
+                pending[name] = averaged
+                p.grad = self.pending.get(name)
+            else:
+                p.grad = averaged
+        self.pending = pending
+        self.optimizer.step()
+
+    def flush(self) -> None:
+        for name, p in self.model.named_parameters():
+            p.grad = self.pending.get(name)
+        self.pending = {}
+        self.optimizer.step()
+
+
+def compare_deft_with_delayed_reference(rank: int, world_size: int, case: str, steps: int) -> dict:
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
+    torch.manual_seed(0)
+    base = make_model()
+    ref_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_optimizer, deft_optimizer = make_optimizer(ref_model), make_optimizer(deft_model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
+                        config=DeftConfig(plan_options=POLICY_OPTIONS["deft"]))
+    reference = None
+    report = []
+    for t, (inputs, targets) in enumerate(batches):
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        if reference is None:
+            reference = DelayedReference(ref_model, ref_optimizer, loss_fn, _delayed_names(step), world_size)
+        torch.manual_seed(100 * rank + t)
+        reference.step(inputs, targets)
+        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
+        entry.update(step=t, pending=len(step.pending))
+        report.append(entry)
+    step.flush()
+    reference.flush()
+    final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
+    return {"steps": report, "final": final, "delayed": sorted(reference.delayed),
+            "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
+            "collectives": _graph_collectives(step), "items": len(step.plan.items)}
+
+
+def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None, save: str | None) -> dict:
+    """Train steps ``[start, stop)`` with deft (delays), optionally resuming from / saving to a checkpoint."""
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(stop)]
+    scratch = copy.deepcopy(model)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
+                        config=DeftConfig(plan_options=POLICY_OPTIONS["deft"]))
+    if load is not None:
+        checkpoint = torch.load(f"{load}.rank{rank}", weights_only=False)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step.load_state_dict(checkpoint["step"])
+    for t in range(start, stop):
+        torch.manual_seed(100 * rank + t)
+        step(*batches[t])
+    pending_before_save = len(step.pending)
+    if save is not None:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step.state_dict()},
+                   f"{save}.rank{rank}")
+    state = {k: v.clone() for k, v in _named_state(model, optimizer).items()}
+    pending = {k: v.clone() for k, v in step.state_dict()["pending"].items()}
+    return {"state": state, "pending": pending, "step_count": step.step_count, "pending_before_save": pending_before_save}

@@ -1,0 +1,33 @@
+"""The meaning of each input and output of a step graph (kept in ``gm.meta["deft_layout"]``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+
+@dataclass
+class GraphLayout:
+    """What each graph input and output is, in order.
+
+    Inputs: parameters, buffers, optimizer-state tensors (``state_inputs``),
+    ``num_user_inputs`` user tensors, then carries (``carry_inputs``, item ids).
+    Outputs: the loss (unless ``has_loss`` is false), new optimizer-state
+    tensors (``state_outputs``), the applied gradients (``gradient_outputs``,
+    parameter indices), then carries (``carry_outputs``, item ids).
+    """
+
+    num_params: int
+    num_buffers: int
+    state_inputs: list[tuple[int, str]]
+    num_user_inputs: int
+    state_outputs: list[tuple[int, str]]
+    gradient_outputs: list[int]
+    carry_inputs: list[int] = field(default_factory=list)
+    carry_outputs: list[int] = field(default_factory=list)
+    has_loss: bool = True
+
+
+def layout_of(gm: fx.GraphModule) -> GraphLayout:
+    return gm.meta["deft_layout"]
