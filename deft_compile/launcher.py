@@ -15,7 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,9 @@ def run_local_workers(
     backend: str = "gloo",
     raise_on_failure: bool = True,
     env: dict[str, str] | None = None,
+    netns: Sequence[str] | None = None,
+    master_addr: str = "127.0.0.1",
+    rank_env: Sequence[dict[str, str]] | None = None,
 ) -> list[WorkerResult]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
@@ -68,7 +71,17 @@ def run_local_workers(
     ``fn`` must be importable (a module-level function) and return picklable
     plain data. Returns one ``WorkerResult`` per rank; raises ``WorkerFailure``
     if any rank failed and ``raise_on_failure`` is set.
+
+    For shaped links (``deft_compile.netns``): ``netns`` names one network
+    namespace per rank, entered with setns(2) before the process group exists;
+    ``master_addr`` is the rendezvous address (reachable from rank 0's
+    namespace); ``rank_env`` adds per-rank variables such as
+    ``GLOO_SOCKET_IFNAME`` on top of ``env``.
     """
+    if netns is not None and len(netns) != world_size:
+        raise ValueError(f"netns names {len(netns)} namespaces for world_size={world_size}; give one per rank")
+    if rank_env is not None and len(rank_env) != world_size:
+        raise ValueError(f"rank_env has {len(rank_env)} entries for world_size={world_size}; give one per rank")
     context = mp.get_context("spawn")
     results_queue = context.Queue()
     port = free_port()
@@ -76,7 +89,13 @@ def run_local_workers(
     for rank in range(world_size):
         process = context.Process(
             target=_worker_main,
-            args=(fn, rank, world_size, port, backend, collective_timeout_s, args, env or {}, results_queue),
+            args=(
+                fn, rank, world_size, port, backend, collective_timeout_s, args,
+                {**(env or {}), **(rank_env[rank] if rank_env is not None else {})},
+                results_queue,
+                netns[rank] if netns is not None else None,
+                master_addr,
+            ),
             daemon=True,
         )
         process.start()
@@ -127,13 +146,20 @@ def _worker_main(
     args: tuple,
     env: dict[str, str],
     results_queue: Any,
+    netns_name: str | None = None,
+    master_addr: str = "127.0.0.1",
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
+        if netns_name is not None:
+            # Before any thread or socket exists: setns moves only this thread.
+            from deft_compile.netns import enter_netns
+
+            enter_netns(netns_name)
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{master_addr}:{port}",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout_s),
