@@ -9,6 +9,7 @@ fails instead of hanging.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -104,7 +105,7 @@ def run_local_workers(
     deadline = time.monotonic() + timeout_s
     while len(results) < world_size and time.monotonic() < deadline:
         try:
-            result = results_queue.get(timeout=0.2)
+            result = _unpack(results_queue.get(timeout=0.2))
             results[result.rank] = result
         except queue.Empty:
             if all(not p.is_alive() for p in processes):
@@ -112,7 +113,7 @@ def run_local_workers(
                 time.sleep(0.2)
                 while True:
                     try:
-                        result = results_queue.get_nowait()
+                        result = _unpack(results_queue.get_nowait())
                         results[result.rank] = result
                     except queue.Empty:
                         break
@@ -134,6 +135,14 @@ def run_local_workers(
     if raise_on_failure and not all(r.ok for r in ordered):
         raise WorkerFailure(ordered)
     return ordered
+
+
+def _unpack(result: WorkerResult) -> WorkerResult:
+    """Values travel as plain pickles: torch's queue would share tensors through file
+    descriptors that vanish when the worker exits."""
+    if result.ok:
+        result.value = pickle.loads(result.value)
+    return result
 
 
 def _worker_main(
@@ -165,7 +174,7 @@ def _worker_main(
             timeout=timedelta(seconds=collective_timeout_s),
         )
         value = fn(rank, world_size, *args)
-        results_queue.put(WorkerResult(rank=rank, ok=True, value=value))
+        results_queue.put(WorkerResult(rank=rank, ok=True, value=pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         results_queue.put(WorkerResult(rank=rank, ok=False, error=traceback.format_exc()))
     finally:

@@ -330,12 +330,13 @@ def compare_deft_with_delayed_reference(rank: int, world_size: int, case: str, s
         entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
         entry.update(step=t, pending=len(step.pending))
         report.append(entry)
+    steady_collectives = _graph_collectives(step)
     step.flush()
     reference.flush()
     final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
     return {"steps": report, "final": final, "delayed": sorted(reference.delayed),
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
-            "collectives": _graph_collectives(step), "items": len(step.plan.items)}
+            "collectives": steady_collectives, "items": len(step.plan.items)}
 
 
 def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None, save: str | None) -> dict:
