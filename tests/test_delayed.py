@@ -17,7 +17,7 @@ import torch
 
 from deft_compile.launcher import run_local_workers
 from models import CASES
-from workers import checkpoint_run, compare_deft_with_delayed_reference
+from workers import checkpoint_run, compare_deft_with_delayed_reference, measured_deft_run
 
 STEPS = 6
 
@@ -80,3 +80,18 @@ def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path):
         assert expected["pending"].keys() == actual["pending"].keys()
         for item, tensor in expected["pending"].items():
             assert torch.equal(tensor, actual["pending"][item]), f"rank {rank}: pending item {item} differs"
+
+
+def test_measured_profile_is_agreed_and_followed():
+    """No profile given: the first step measures compute and the link on each rank, the ranks agree on the
+    maximum, solve the same plan, and training follows that plan's semantics exactly (SGD)."""
+    from deft_compile.plan import Profile
+
+    results = run_local_workers(measured_deft_run, 2, ("mlp_dropout_sgd", 4), timeout_s=240)
+    first, second = (r.value for r in results)
+    assert first["profile"] == second["profile"]
+    assert first["plan_hash"] == second["plan_hash"]
+    profile = Profile.from_json(first["profile"])
+    assert all(p.forward_ms > 0 and p.backward_ms >= 0 and p.update_ms > 0 for p in profile.params)
+    assert profile.links[0].alpha_ms + profile.links[0].beta_ms_per_byte > 0
+    assert first["worst_abs"] == 0.0 and second["worst_abs"] == 0.0

@@ -366,3 +366,30 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
     state = {k: v.clone() for k, v in _named_state(model, optimizer).items()}
     pending = {k: v.clone() for k, v in step.state_dict()["pending"].items()}
     return {"state": state, "pending": pending, "step_count": step.step_count, "pending_before_save": pending_before_save}
+
+
+def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict:
+    """deft with a profile measured on the first step (no profile given): every rank must end up
+    with the same profile and plan, and training must follow the delayed semantics of that plan."""
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
+    torch.manual_seed(0)
+    base = make_model()
+    ref_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_optimizer, deft_optimizer = make_optimizer(ref_model), make_optimizer(deft_model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft")
+    reference = None
+    worst = 0.0
+    for t in range(steps):
+        inputs, targets = make_batch(data)
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        if reference is None:
+            reference = DelayedReference(ref_model, ref_optimizer, loss_fn, _delayed_names(step), world_size)
+        torch.manual_seed(100 * rank + t)
+        reference.step(inputs, targets)
+        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
+        assert entry["missing"] == [], entry
+        worst = max(worst, entry["max_abs"])
+    return {"profile": step.profile.to_json(), "plan_hash": step.plan.hash(), "worst_abs": worst,
+            "table": step.plan.table(step.profile)}
