@@ -12,10 +12,11 @@ class GraphLayout:
     """What each graph input and output is, in order.
 
     Inputs: parameters, buffers, optimizer-state tensors (``state_inputs``),
-    ``num_user_inputs`` user tensors, then carries (``carry_inputs``, item ids).
+    ``num_user_inputs`` user tensors, then carries (``carry_inputs``: keys such
+    as ``pending:3`` or ``acc:3``).
     Outputs: the loss (unless ``has_loss`` is false), new optimizer-state
     tensors (``state_outputs``), the applied gradients (``gradient_outputs``,
-    parameter indices), then carries (``carry_outputs``, item ids).
+    parameter indices), then carries (``carry_outputs``, keys).
     """
 
     num_params: int
@@ -24,8 +25,8 @@ class GraphLayout:
     num_user_inputs: int
     state_outputs: list[tuple[int, str]]
     gradient_outputs: list[int]
-    carry_inputs: list[int] = field(default_factory=list)
-    carry_outputs: list[int] = field(default_factory=list)
+    carry_inputs: list[str] = field(default_factory=list)
+    carry_outputs: list[str] = field(default_factory=list)
     has_loss: bool = True
 
 

@@ -24,7 +24,7 @@ from deft_compile.passes.broadcast_buffers import insert_buffer_broadcast
 from deft_compile.passes.cleanup import remove_detach, remove_profiler_ops
 from deft_compile.passes.markers import strip_markers
 from deft_compile.passes.optimizer_numerics import promote_bias_corrections
-from deft_compile.passes.schedule import ScheduledItem, apply_schedule
+from deft_compile.passes.schedule import ItemPhase, ScheduledItem, apply_schedule
 
 Pass = Callable[[fx.GraphModule], fx.GraphModule]
 
@@ -45,7 +45,7 @@ class CompiledGraph:
     captured: CapturedStep
     graph_module: fx.GraphModule
     items: list[ScheduledItem]
-    carry_in: bool
+    phases: dict[int, ItemPhase]
     flush: bool
 
     @property
@@ -54,7 +54,7 @@ class CompiledGraph:
 
     def collective_signature(self) -> list[tuple]:
         """Per item, its group and the element counts it carries: what ranks must agree on."""
-        return [(item.group_name, tuple(s.count for s in item.slices), item.apply) for item in self.items]
+        return [(item.group_name, tuple(s.count for s in item.slices), item.apply, item.period) for item in self.items]
 
 
 def annotate_capture(captured: CapturedStep) -> StepAnnotation:
@@ -70,7 +70,7 @@ def build_passes(
     group: CommGroup | None,
     config: DeftConfig,
     *,
-    carry_in: bool = False,
+    phases: dict[int, ItemPhase] | None = None,
     flush: bool = False,
 ) -> list[tuple[str, Pass]]:
     """The ordered passes; no collectives when ``group`` is None (one process)."""
@@ -85,7 +85,7 @@ def build_passes(
             passes.append(
                 ("broadcast_buffers", functools.partial(insert_buffer_broadcast, buffer_positions=positions, group_name=group.name))
             )
-        passes.append(("schedule", functools.partial(apply_schedule, items=items, carry_in=carry_in, flush=flush)))
+        passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
     passes.append(("strip_markers", strip_markers))
     return passes
 
@@ -105,9 +105,9 @@ def compile_captured(
     config: DeftConfig,
     dumper: GraphDumper,
     *,
-    carry_in: bool = False,
+    phases: dict[int, ItemPhase] | None = None,
     flush: bool = False,
 ) -> CompiledGraph:
-    passes = build_passes(captured, items, group, config, carry_in=carry_in, flush=flush)
+    passes = build_passes(captured, items, group, config, phases=phases, flush=flush)
     gm = run_passes(captured.graph_module, passes, dumper)
-    return CompiledGraph(captured=captured, graph_module=gm, items=items, carry_in=carry_in, flush=flush)
+    return CompiledGraph(captured=captured, graph_module=gm, items=items, phases=dict(phases or {}), flush=flush)

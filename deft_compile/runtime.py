@@ -25,7 +25,7 @@ from deft_compile.distributed import (
 from deft_compile.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.optim_support import check_optimizer, hyperparameter_key
-from deft_compile.passes.schedule import ScheduledItem
+from deft_compile.passes.schedule import ItemPhase, ScheduledItem, pending_key
 from deft_compile.pipeline import CompiledGraph, annotate_capture, compile_captured
 from deft_compile.plan import LinkCost, Plan, Profile
 from deft_compile.scheduling import ProfileIndex, scheduled_items, static_profile
@@ -74,7 +74,8 @@ class CompiledStep:
         self.plan: Plan | None = None
         self._items: list[ScheduledItem] = []
         self._graphs: collections.OrderedDict[tuple, CompiledGraph] = collections.OrderedDict()
-        self._carry: dict[int, torch.Tensor] = {}
+        self._carry: dict[str, torch.Tensor] = {}  # tensors crossing the step boundary, by key
+        self._accumulated: dict[int, int] = {}  # local gradients summed so far, per periodic item
         self._last_call: tuple[tuple, dict] | None = None
         self._verified_signature: list | None = None
         self.step_count = 0
@@ -97,18 +98,25 @@ class CompiledStep:
 
     @property
     def pending(self) -> list[int]:
-        """Ids of plan items whose communication or update is still pending (applied by the next step or ``flush``)."""
-        return sorted(self._carry)
+        """Ids of plan items with gradients not yet applied (pending communication or a partial
+        accumulation of an update period); the next steps or ``flush`` apply them."""
+        return sorted({int(key.split(":")[1]) for key in self._carry})
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
-        key = self._cache_key(user_tensors, constants, spec, flush=False)
+        if self.comm_group is not None and not self._items:
+            self._plan_from(args, kwargs)
+        phases = self._phases(flush=False)
+        key = self._cache_key(user_tensors, constants, spec, phases, flush=False)
         compiled = self._graphs.get(key)
         if compiled is None:
-            compiled = self._compile(key, args, kwargs, flush=False)
+            compiled = self._compile(key, args, kwargs, phases, flush=False)
         else:
             self._graphs.move_to_end(key)
         outputs = self._run(compiled, user_tensors)
+        for item in self._items:
+            if item.period > 1:
+                self._accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
         self._last_call = (args, kwargs)
         self.step_count += 1
         return outputs
@@ -126,22 +134,25 @@ class CompiledStep:
             raise DeftError("pending updates were loaded but no step has run; run a step or flush after one")
         args, kwargs = self._last_call
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
-        key = self._cache_key(user_tensors, constants, spec, flush=True)
-        compiled = self._graphs.get(key) or self._compile(key, args, kwargs, flush=True)
+        phases = self._phases(flush=True)
+        key = self._cache_key(user_tensors, constants, spec, phases, flush=True)
+        compiled = self._graphs.get(key) or self._compile(key, args, kwargs, phases, flush=True)
         self._run(compiled, [])
+        self._accumulated = {}
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, plan, profile and pending gradients (waited, so they can be saved)."""
         carry = {}
-        for item_id, tensor in self._carry.items():
-            carry[item_id] = torch.ops._c10d_functional.wait_tensor.default(tensor).clone()
-        self._carry = {item_id: carry[item_id].clone() for item_id in carry}
+        for key, tensor in self._carry.items():
+            carry[key] = torch.ops._c10d_functional.wait_tensor.default(tensor).clone()
+        self._carry = {key: carry[key].clone() for key in carry}
         return {
             "step_count": self.step_count,
             "policy": self.policy,
             "plan": self.plan.to_json() if self.plan is not None else None,
             "profile": self.profile.to_json() if self.profile is not None else None,
             "pending": carry,
+            "accumulated": dict(self._accumulated),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -157,10 +168,26 @@ class CompiledStep:
                 raise DeftError("the saved plan differs from the one this step already uses")
             self.plan = plan
             self._items = []
-        self._carry = {int(k): v.clone() for k, v in state["pending"].items()}
+        self._carry = {str(k): v.clone() for k, v in state["pending"].items()}
+        self._accumulated = {int(k): int(v) for k, v in state.get("accumulated", {}).items()}
 
     # -- graphs -----------------------------------------------------------------
-    def _cache_key(self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any, *, flush: bool) -> tuple:
+    def _phases(self, *, flush: bool) -> dict[int, ItemPhase]:
+        """What each plan item does in this call: from the step counter, the period and what is carried."""
+        phases = {}
+        for item in self._items:
+            accumulated = self._accumulated.get(item.id, 0)
+            pending = pending_key(item.id) in self._carry
+            if flush:
+                phases[item.id] = ItemPhase(pending, accumulated > 0, communicate=False, count=max(accumulated, 1))
+            else:
+                communicate = item.period == 1 or self.step_count % item.period == item.offset
+                phases[item.id] = ItemPhase(pending, accumulated > 0, communicate, accumulated + 1)
+        return phases
+
+    def _cache_key(
+        self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any, phases: dict, *, flush: bool
+    ) -> tuple:
         tensor_key = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in user_tensors)
         modes = tuple(m.training for m in self.model.modules())
         return (
@@ -170,7 +197,7 @@ class CompiledStep:
             modes,
             hyperparameter_key(self.optimizer),
             tuple(self._existing_state_slots()),
-            bool(self._carry),
+            tuple(sorted(phases.items())),
             flush,
         )
 
@@ -182,14 +209,12 @@ class CompiledStep:
                     slots.append((index, key))
         return slots
 
-    def _compile(self, key: tuple, args: tuple, kwargs: dict, *, flush: bool) -> CompiledGraph:
+    def _compile(self, key: tuple, args: tuple, kwargs: dict, phases: dict[int, ItemPhase], *, flush: bool) -> CompiledGraph:
         started = time.perf_counter()
         captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
-        if self.comm_group is not None and not self._items:
-            self._plan(captured, args, kwargs)
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         compiled = compile_captured(
-            captured, self._items, self.comm_group, self.config, GraphDumper(dump_dir), carry_in=bool(self._carry), flush=flush
+            captured, self._items, self.comm_group, self.config, GraphDumper(dump_dir), phases=phases, flush=flush
         )
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
@@ -208,8 +233,9 @@ class CompiledStep:
             self._graphs.popitem(last=False)
         return compiled
 
-    def _plan(self, captured: CapturedStep, args: tuple, kwargs: dict) -> None:
+    def _plan_from(self, args: tuple, kwargs: dict) -> None:
         """Profile (unless given or not needed), solve, check the plan hash across ranks, translate to items."""
+        captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
         annotation = annotate_capture(captured)
         index = ProfileIndex.of(annotation)
         if self.plan is None:
@@ -236,15 +262,13 @@ class CompiledStep:
         if self.policy in ("wfbp", "deft"):
             options.setdefault("first_bucket_bytes", self.config.first_bucket_bytes)
             options.setdefault("bucket_cap_bytes", self.config.bucket_cap_bytes)
-        if self.policy == "deft":
-            options.setdefault("allow_period", False)
         return options
 
     # -- running ----------------------------------------------------------------
     def _graph_inputs(self, layout, captured: CapturedStep, user_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         params = captured.model_state.params
         state = [self.optimizer.state[params[index]][key] for index, key in layout.state_inputs]
-        carry = [self._carry[item_id] for item_id in layout.carry_inputs]
+        carry = [self._carry[key] for key in layout.carry_inputs]
         return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *carry]
 
     def _run(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> torch.Tensor | None:

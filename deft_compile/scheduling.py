@@ -103,11 +103,6 @@ def scheduled_items(plan: Plan, index: ProfileIndex, groups: list[CommGroup]) ->
     """The plan's items in issue order, on captured parameter indices and process-group names."""
     items = []
     for item in plan.items:
-        if item.period != 1:
-            raise NotImplementedError(
-                f"plan item {item.id} has update period K={item.period}; periodic updates are not implemented "
-                f"in the graph passes yet (solve with allow_period=False)"
-            )
         if item.link >= len(groups):
             raise ValueError(f"plan item {item.id} uses link {item.link} but only {len(groups)} process group(s) exist")
         group = groups[item.link]
@@ -127,7 +122,14 @@ def scheduled_items(plan: Plan, index: ProfileIndex, groups: list[CommGroup]) ->
         slices = tuple(Slice(index.ready[s.param], s.offset, s.count) for s in item.slices)
         items.append(
             ScheduledItem(
-                id=item.id, slices=slices, group_name=group.name, world_size=group.world_size, launch=launch, apply=apply
+                id=item.id,
+                slices=slices,
+                group_name=group.name,
+                world_size=group.world_size,
+                launch=launch,
+                apply=apply,
+                period=item.period,
+                offset=item.period_offset,
             )
         )
     return items

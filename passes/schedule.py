@@ -69,6 +69,8 @@ class ScheduledItem:
     world_size: int
     launch: str = LAUNCH_WHEN_READY
     apply: str = APPLY_THIS_STEP
+    period: int = 1
+    offset: int = 0
 
     @property
     def params(self) -> list[int]:
@@ -79,28 +81,61 @@ class ScheduledItem:
         return self.apply != APPLY_THIS_STEP
 
 
+@dataclass(frozen=True)
+class ItemPhase:
+    """What one item does in one call, decided by the runtime from the step counter.
+
+    Attributes:
+        pending_in: the previous call left this item's communication pending
+            (next-forward / next-update items): apply it in this call.
+        accumulated_in: a local gradient sum from earlier steps of this
+            item's period enters (update period K > 1).
+        communicate: this step's (accumulated) gradient is communicated; if
+            not, it is added to the accumulator and the parameters stay as
+            they are, so replicas stay identical.
+        count: how many local gradients the communicated sum holds; it is
+            divided by ``count * world_size`` to get the mean.
+    """
+
+    pending_in: bool = False
+    accumulated_in: bool = False
+    communicate: bool = True
+    count: int = 1
+
+
+def pending_key(item_id: int) -> str:
+    return f"pending:{item_id}"
+
+
+def accumulator_key(item_id: int) -> str:
+    return f"acc:{item_id}"
+
+
 def apply_schedule(
-    gm: fx.GraphModule, *, items: list[ScheduledItem], carry_in: bool, flush: bool = False
+    gm: fx.GraphModule,
+    *,
+    items: list[ScheduledItem],
+    phases: dict[int, ItemPhase] | None = None,
+    flush: bool = False,
 ) -> fx.GraphModule:
     """Rewrite ``gm`` (a captured step with its markers) to follow ``items`` (see module docstring).
 
-    ``carry_in``: the previous call left carries, so this graph takes them as
-    inputs and applies their updates. ``flush``: build the graph that only
-    applies those pending updates (requires ``carry_in``).
+    ``phases`` says per item id what this call does (default: communicate,
+    nothing carried in). ``flush`` builds the graph that only applies what is
+    carried in (pending communication and partial accumulations), with no
+    forward or backward.
     """
-    if flush and not carry_in:
-        raise ValueError("a flush graph applies carried updates; it needs carry_in=True")
-    rewriter = _ScheduleRewriter(gm, items, carry_in, flush)
-    rewriter.run()
+    _ScheduleRewriter(gm, items, phases or {}, flush).run()
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
 class _ScheduleRewriter:
-    def __init__(self, gm: fx.GraphModule, items: list[ScheduledItem], carry_in: bool, flush: bool) -> None:
+    def __init__(self, gm: fx.GraphModule, items: list[ScheduledItem], phases: dict[int, ItemPhase], flush: bool) -> None:
         self.gm, self.graph = gm, gm.graph
-        self.items, self.carry_in, self.flush = items, carry_in, flush
+        self.items, self.flush = items, flush
+        self.phases = {item.id: phases.get(item.id, ItemPhase()) for item in items}
         self.layout: GraphLayout = gm.meta["deft_layout"]
         nodes = list(self.graph.nodes)
         self.order = {n: i for i, n in enumerate(nodes)}
@@ -165,6 +200,7 @@ class _ScheduleRewriter:
 
     # -- emission helpers -------------------------------------------------------
     def _local_flat(self, item: ScheduledItem) -> fx.Node:
+        """This step's local gradient elements of ``item``, flattened in slice order (unscaled)."""
         pieces = []
         for s in item.slices:
             flat = self.graph.call_function(aten.reshape.default, (self.markers[s.param].args[0], [-1]))
@@ -172,8 +208,12 @@ class _ScheduleRewriter:
             if s.offset != 0 or s.count != numel:
                 flat = self.graph.call_function(aten.slice.Tensor, (flat, 0, s.offset, s.offset + s.count))
             pieces.append(flat)
-        joined = self.graph.call_function(aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
-        return self.graph.call_function(aten.mul.Tensor, (joined, 1.0 / item.world_size))
+        return self.graph.call_function(aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
+
+    def _scaled(self, flat: fx.Node, item: ScheduledItem) -> fx.Node:
+        """Scale before the sum, as DDP's reducer does: divided by the samples the mean is over."""
+        count = self.phases[item.id].count
+        return self.graph.call_function(aten.mul.Tensor, (flat, 1.0 / (count * item.world_size)))
 
     def _split(self, item: ScheduledItem, averaged: fx.Node) -> dict[int, list[tuple[int, fx.Node]]]:
         counts = [s.count for s in item.slices]
@@ -195,149 +235,163 @@ class _ScheduleRewriter:
 
     # -- the rewrite ------------------------------------------------------------
     def run(self) -> None:
-        carry_inputs = self._add_carry_inputs()
-        launched_now = {} if self.flush else self._launch_this_step()
-        applied_now = self._apply_this_step(launched_now) if not self.flush else {}
-        applied_carried = self._apply_carried(carry_inputs) if self.carry_in else {}
-        applied = {**applied_now, **applied_carried}
-        self._drop_updates_not_applied(applied)
-        self._rebuild_output(applied, launched_now)
+        carried = self._add_carry_inputs()
+        self._carry_out: dict[str, fx.Node] = {}
+        self._pieces: dict[int, list[tuple[int, fx.Node]]] = {}
+        self._need_points: dict[int, fx.Node] = {}
+        self._move: dict[int, bool] = {}
+        if not self.flush:
+            self._this_step(carried)
+        self._from_previous_calls(carried)
+        applied = self._assemble_and_rewire()
+        self._rebuild_output(applied)
         if self.flush:
             self._prune_to_flush()
 
-    def _add_carry_inputs(self) -> dict[int, fx.Node]:
-        if not self.carry_in:
-            return {}
-        carried = [item for item in self.items if item.carries]
+    def _add_carry_inputs(self) -> dict[str, fx.Node]:
+        keys = []
+        for item in self.items:
+            phase = self.phases[item.id]
+            if phase.pending_in:
+                keys.append(pending_key(item.id))
+            if phase.accumulated_in:
+                keys.append(accumulator_key(item.id))
         nodes = {}
         with self.graph.inserting_after(self.placeholders[-1]):
             # inserting_after places each new node right after the anchor, so add in reverse.
-            for item in reversed(carried):
-                nodes[item.id] = self.graph.placeholder(f"carry_{item.id}")
-        self.layout.carry_inputs = [item.id for item in carried]
+            for key in reversed(keys):
+                nodes[key] = self.graph.placeholder(key.replace(":", "_"))
+        self.layout.carry_inputs = keys
         return nodes
 
-    def _launch_this_step(self) -> dict[int, fx.Node]:
-        """Emit this step's flat gradients: launched all-reduces (this-step, next-forward) or local (next-update)."""
-        result = {}
+    def _collect(self, item: ScheduledItem, averaged: fx.Node, point: fx.Node, move: bool) -> None:
+        with self.graph.inserting_before(point):
+            for param, parts in self._split(item, averaged).items():
+                self._pieces.setdefault(param, []).extend(parts)
+        for param in item.params:
+            self._need_points[param] = self._first_forward_use(param) if move else point
+            self._move[param] = move
+
+    def _this_step(self, carried: dict[str, fx.Node]) -> None:
+        """This step's gradients: accumulate, launch (in issue order, per group FIFO) or carry out."""
         last_anchor: dict[str, fx.Node] = {}
         for item in self.items:
+            phase = self.phases[item.id]
             ready = max((self.markers[p].args[0] for p in item.params), key=self.order.__getitem__)
             anchor = ready
-            if item.group_name in last_anchor and self.order[last_anchor[item.group_name]] > self.order[ready]:
+            launches = phase.communicate and item.apply != APPLY_NEXT_UPDATE
+            if launches and item.group_name in last_anchor and self.order[last_anchor[item.group_name]] > self.order[ready]:
                 anchor = last_anchor[item.group_name]
             with self.graph.inserting_before(anchor.next):
-                flat = self._local_flat(item)
-                if item.apply != APPLY_NEXT_UPDATE:
-                    flat = self.graph.call_function(ALL_REDUCE, (flat, "sum", item.group_name))
-            if item.apply != APPLY_NEXT_UPDATE:
-                last_anchor[item.group_name] = anchor
-            result[item.id] = flat
-        return result
-
-    def _apply_this_step(self, launched: dict[int, fx.Node]) -> dict[int, fx.Node]:
-        pieces: dict[int, list[tuple[int, fx.Node]]] = {}
-        need_points: dict[int, fx.Node] = {}
-        for item in self.items:
-            if item.apply != APPLY_THIS_STEP:
+                local = self._local_flat(item)
+                if phase.accumulated_in:
+                    local = self.graph.call_function(aten.add.Tensor, (carried[accumulator_key(item.id)], local))
+                if not phase.communicate:
+                    self._carry_out[accumulator_key(item.id)] = local
+                    continue
+                flat = self._scaled(local, item)
+                if item.apply == APPLY_NEXT_UPDATE:
+                    self._carry_out[pending_key(item.id)] = flat
+                    continue
+                reduced = self.graph.call_function(ALL_REDUCE, (flat, "sum", item.group_name))
+            last_anchor[item.group_name] = anchor
+            if item.apply == APPLY_NEXT_FORWARD:
+                self._carry_out[pending_key(item.id)] = reduced
                 continue
             point = self._first_update(item.params)
             with self.graph.inserting_before(point):
-                averaged = self.graph.call_function(WAIT, (launched[item.id],))
-                for param, parts in self._split(item, averaged).items():
-                    pieces.setdefault(param, []).extend(parts)
-            for param in item.params:
-                need_points[param] = point
-        return self._assemble_and_rewire(pieces, need_points, move=False)
+                averaged = self.graph.call_function(WAIT, (reduced,))
+            self._collect(item, averaged, point, move=False)
 
-    def _apply_carried(self, carry_inputs: dict[int, fx.Node]) -> dict[int, fx.Node]:
-        pieces: dict[int, list[tuple[int, fx.Node]]] = {}
-        need_points: dict[int, fx.Node] = {}
+    def _from_previous_calls(self, carried: dict[str, fx.Node]) -> None:
+        """Apply what earlier calls left: pending communication, and in a flush partial accumulations."""
         for item in self.items:
-            if not item.carries:
-                continue
-            carried = carry_inputs[item.id]
-            if item.apply == APPLY_NEXT_FORWARD:
-                point = min((self._first_forward_use(p) for p in item.params), key=self.order.__getitem__)
-                if self.flush:
-                    point = self.first_compute
-                with self.graph.inserting_before(point):
-                    averaged = self.graph.call_function(WAIT, (carried,))
-            else:
-                launch_at = self.forward_end.next if item.launch == LAUNCH_START_OF_BACKWARD else self.first_compute
-                if self.flush:
-                    launch_at = self.first_compute
+            phase = self.phases[item.id]
+            if self.flush and phase.pending_in and phase.accumulated_in:
+                raise ValueError(f"item {item.id} has both a pending and an accumulated gradient to flush")
+            if phase.pending_in:
+                pending = carried[pending_key(item.id)]
+                if item.apply == APPLY_NEXT_FORWARD:
+                    # Launched in the previous call's backward: only the wait is left.
+                    point = self.first_compute if self.flush else min(
+                        (self._first_forward_use(p) for p in item.params), key=self.order.__getitem__
+                    )
+                    with self.graph.inserting_before(point):
+                        averaged = self.graph.call_function(WAIT, (pending,))
+                    self._collect(item, averaged, point, move=not self.flush)
+                    continue
+                launch_at = self.first_compute
+                if item.launch == LAUNCH_START_OF_BACKWARD and not self.flush:
+                    launch_at = self.forward_end.next
                 with self.graph.inserting_before(launch_at):
-                    pending = self.graph.call_function(ALL_REDUCE, (carried, "sum", item.group_name))
+                    reduced = self.graph.call_function(ALL_REDUCE, (pending, "sum", item.group_name))
                 point = self._first_update(item.params)
                 with self.graph.inserting_before(point):
-                    averaged = self.graph.call_function(WAIT, (pending,))
-            with self.graph.inserting_before(point):
-                for param, parts in self._split(item, averaged).items():
-                    pieces.setdefault(param, []).extend(parts)
-            for param in item.params:
-                if item.apply == APPLY_NEXT_FORWARD and not self.flush:
-                    need_points[param] = self._first_forward_use(param)
-                else:
-                    need_points[param] = point
-        moved = {p: self.apply_mode[p] == APPLY_NEXT_FORWARD and not self.flush for p in pieces}
-        return self._assemble_and_rewire(pieces, need_points, move=moved)
+                    averaged = self.graph.call_function(WAIT, (reduced,))
+                self._collect(item, averaged, point, move=False)
+            elif self.flush and phase.accumulated_in:
+                with self.graph.inserting_before(self.first_compute):
+                    flat = self._scaled(carried[accumulator_key(item.id)], item)
+                    reduced = self.graph.call_function(ALL_REDUCE, (flat, "sum", item.group_name))
+                point = self._first_update(item.params)
+                with self.graph.inserting_before(point):
+                    averaged = self.graph.call_function(WAIT, (reduced,))
+                self._collect(item, averaged, point, move=False)
 
-    def _assemble_and_rewire(self, pieces, need_points, move) -> dict[int, fx.Node]:
-        """Build each parameter's gradient before its need point and make its update read it."""
+    def _assemble_and_rewire(self) -> dict[int, fx.Node]:
+        """Build each applied parameter's gradient before its need point and make its update read it."""
         assembled = {}
-        for param in sorted(pieces, key=lambda p: self.order.get(need_points[p], math.inf)):
-            point = need_points[param]
+        for param in sorted(self._pieces, key=lambda p: self.order.get(self._need_points[p], math.inf)):
+            point = self._need_points[param]
             with self.graph.inserting_before(point):
-                gradient = self._assemble(param, pieces[param])
+                gradient = self._assemble(param, self._pieces[param])
             marker = self.markers[param]
             for node in self.update_nodes.get(param, []):
                 node.replace_input_with(marker, gradient)
                 # A node shared with an update moved earlier already sits early enough.
-                if (move if isinstance(move, bool) else move[param]) and node not in self._moved:
+                if self._move[param] and node not in self._moved:
                     point.prepend(node)
                     self._moved.add(node)
             assembled[param] = gradient
         return assembled
 
-    def _drop_updates_not_applied(self, applied: dict[int, fx.Node]) -> None:
-        """The first step leaves the update of next-forward/next-update parameters to the next call."""
-        self._not_applied = [p for p in self.markers if p not in applied and p in self.apply_mode]
+    def _rebuild_output(self, applied: dict[int, fx.Node]) -> None:
+        """Outputs: loss, new state and gradients of the parameters updated in this call, carries.
 
-    def _rebuild_output(self, applied: dict[int, fx.Node], launched: dict[int, fx.Node]) -> None:
+        Parameters with a gradient that are not updated in this call (their
+        communication is pending or accumulating) keep their value and state:
+        their update nodes are erased.
+        """
         layout = self.layout
         old = list(self.output.args[0])
-        loss = old[0]
         state_values = dict(zip(layout.state_outputs, old[1 : 1 + len(layout.state_outputs)]))
-        dropped = set(self._not_applied)
-        if self.flush:
-            dropped |= {p for p in self.markers if p not in applied}
-        keep_state = [slot for slot in layout.state_outputs if slot[0] not in dropped]
+        not_applied = {p for p in self.markers if p not in applied and (p in self.apply_mode or self.flush)}
+        keep_state = [slot for slot in layout.state_outputs if slot[0] not in not_applied]
         gradient_params = [p for p in layout.gradient_outputs if p in applied]
-        gradients = [applied[p] for p in gradient_params]
-        carry_items = [item for item in self.items if item.carries and not self.flush]
-        values = ([] if self.flush else [loss]) + [state_values[s] for s in keep_state] + gradients
-        values += [launched[item.id] for item in carry_items]
+        carry_keys = list(self._carry_out)
+        values = ([] if self.flush else [old[0]]) + [state_values[s] for s in keep_state]
+        values += [applied[p] for p in gradient_params] + [self._carry_out[k] for k in carry_keys]
         self.output.args = (tuple(values),)
         layout.state_outputs = keep_state
         layout.gradient_outputs = gradient_params
-        layout.carry_outputs = [item.id for item in carry_items]
+        layout.carry_outputs = carry_keys
         layout.has_loss = not self.flush
         self._erased: set[fx.Node] = set()
-        for param in sorted(dropped):
+        for param in sorted(not_applied):
             for node in reversed(self.update_nodes.get(param, [])):
                 if node.users or node in self._erased:
                     continue  # shared with an update that stays (or already erased)
                 self.graph.erase_node(node)
                 self._erased.add(node)
+        self._not_applied = not_applied
 
     def _prune_to_flush(self) -> None:
-        """Keep only what the pending updates need: their waits, gradients and in-place updates."""
+        """Keep only what the carried updates need: their collectives, gradients and in-place updates."""
         keep: set[fx.Node] = set()
         roots = [self.output] + [
             node
             for param, nodes in self.update_nodes.items()
-            if self.apply_mode.get(param, APPLY_THIS_STEP) != APPLY_THIS_STEP
+            if param not in self._not_applied
             for node in nodes
             if node not in self._erased
         ]
@@ -352,10 +406,9 @@ class _ScheduleRewriter:
             if node.op == "call_function" and node not in keep:
                 self.graph.erase_node(node)
         user_start = self.layout.num_params + self.layout.num_buffers + len(self.layout.state_inputs)
-        user_placeholders = [n for n in self.graph.nodes if n.op == "placeholder"][user_start : user_start + self.layout.num_user_inputs]
-        for node in user_placeholders:
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        for node in placeholders[user_start : user_start + self.layout.num_user_inputs]:
             if node.users:
                 raise ValueError("the flush graph still reads a user input")
             self.graph.erase_node(node)
         self.layout.num_user_inputs = 0
-

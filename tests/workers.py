@@ -180,7 +180,8 @@ def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, com
 POLICY_OPTIONS = {
     "bytescheduler": {},
     "usbyte": {},
-    "deft": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000},
+    "deft": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000, "allow_period": False},
+    "deft-period": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000},
     "deft-sync": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000, "max_staleness": 0},
 }
 
@@ -260,24 +261,30 @@ def _delayed_names(step) -> set[str]:
     return {step.profile.params[s.param].name for item in step.plan.items if item.delay == 1 for s in item.slices}
 
 
-class DelayedReference:
-    """Eager training with DeFT's delayed semantics (DESIGN.md §4), written without deft_compile.
+class PlanReference:
+    """Eager training with DeFT's semantics (DESIGN.md §4) for a given per-parameter schedule,
+    written without deft_compile.
 
-    A delayed parameter's averaged gradient of step t is applied by the update of
-    step t+1; in the first step it has no gradient, so the optimizer leaves it
-    (and its state) alone. ``flush`` applies the last pending gradients.
+    ``schedule`` maps parameter name -> (delay d, period K, offset). A parameter
+    accumulates its local gradient and communicates at steps t with
+    t % K == offset, averaging over the accumulated count and the world; with
+    d = 1 the averaged gradient is applied by the next step's update. A
+    parameter with nothing to apply has no gradient, so the optimizer leaves it
+    and its state alone. ``flush`` applies what is pending or accumulated.
     """
 
-    def __init__(self, model, optimizer, loss_fn, delayed: set[str], world_size: int) -> None:
+    def __init__(self, model, optimizer, loss_fn, schedule: dict[str, tuple[int, int, int]], world_size: int) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.delayed, self.world_size = delayed, world_size
+        self.schedule, self.world_size = schedule, world_size
         self.pending: dict[str, torch.Tensor] = {}
+        self.accumulated: dict[str, tuple[torch.Tensor, int]] = {}
+        self.t = 0
 
-    def _average(self, grad: torch.Tensor) -> torch.Tensor:
-        averaged = grad * (1.0 / self.world_size)
+    def _average(self, total: torch.Tensor, count: int) -> torch.Tensor:
+        averaged = total * (1.0 / (count * self.world_size))
         self.dist.all_reduce(averaged)
         return averaged
 
@@ -286,27 +293,42 @@ class DelayedReference:
             self.dist.broadcast(buffer, src=0)
         self.optimizer.zero_grad(set_to_none=True)
         self.loss_fn(self.model(inputs), targets).backward()
-        pending = {}
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
-            averaged = self._average(p.grad)
-            if name in self.delayed:
-                pending[name] = averaged
-                p.grad = self.pending.get(name)
+            delay, period, offset = self.schedule.get(name, (0, 1, 0))
+            apply = self.pending.pop(name, None)
+            total, count = self.accumulated.pop(name, (None, 0))
+            total = p.grad if total is None else total + p.grad
+            count += 1
+            if period == 1 or self.t % period == offset:
+                averaged = self._average(total, count)
+                if delay:
+                    self.pending[name] = averaged
+                else:
+                    apply = averaged
             else:
-                p.grad = averaged
-        self.pending = pending
+                self.accumulated[name] = (total, count)
+            p.grad = apply
         self.optimizer.step()
+        self.t += 1
 
     def flush(self) -> None:
         for name, p in self.model.named_parameters():
-            p.grad = self.pending.get(name)
-        self.pending = {}
+            p.grad = self.pending.pop(name, None)
+            if name in self.accumulated:
+                total, count = self.accumulated.pop(name)
+                p.grad = self._average(total, count)
         self.optimizer.step()
 
 
-def compare_deft_with_delayed_reference(rank: int, world_size: int, case: str, steps: int) -> dict:
+def plan_schedule_by_name(step) -> dict[str, tuple[int, int, int]]:
+    return {step.profile.params[index].name: value for index, value in step.plan.param_schedule().items()}
+
+
+def compare_deft_with_delayed_reference(
+    rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9
+) -> dict:
     make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
     torch.manual_seed(0)
     base = make_model()
@@ -315,16 +337,16 @@ def compare_deft_with_delayed_reference(rank: int, world_size: int, case: str, s
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
     scratch = copy.deepcopy(base)
-    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size, comm_over_compute)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
-                        config=DeftConfig(plan_options=POLICY_OPTIONS["deft"]))
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[options]))
     reference = None
     report = []
     for t, (inputs, targets) in enumerate(batches):
         torch.manual_seed(100 * rank + t)
         step(inputs, targets)
         if reference is None:
-            reference = DelayedReference(ref_model, ref_optimizer, loss_fn, _delayed_names(step), world_size)
+            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size)
         torch.manual_seed(100 * rank + t)
         reference.step(inputs, targets)
         entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
@@ -334,7 +356,9 @@ def compare_deft_with_delayed_reference(rank: int, world_size: int, case: str, s
     step.flush()
     reference.flush()
     final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
-    return {"steps": report, "final": final, "delayed": sorted(reference.delayed),
+    return {"steps": report, "final": final, "delayed": sorted(_delayed_names(step)),
+            "periods": sorted({item.period for item in step.plan.items}),
+            "final_params": {n: p.detach().clone() for n, p in deft_model.named_parameters()},
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
             "collectives": steady_collectives, "items": len(step.plan.items)}
 
@@ -385,7 +409,7 @@ def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict
         torch.manual_seed(100 * rank + t)
         step(inputs, targets)
         if reference is None:
-            reference = DelayedReference(ref_model, ref_optimizer, loss_fn, _delayed_names(step), world_size)
+            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size)
         torch.manual_seed(100 * rank + t)
         reference.step(inputs, targets)
         entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
