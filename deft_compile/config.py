@@ -29,6 +29,10 @@ class DeftConfig:
             dropped.
         plan_options: extra keyword options for the policy's solver (see
             ``deft_compile.solvers``), e.g. ``{"max_staleness": 0}`` for DeFT.
+        links: extra communication channels besides the process group, e.g.
+            ``("gloo:eth1",)`` or ``("gloo",)`` under NCCL (see
+            ``deft_compile.links``). The profiler measures each; DeFT assigns
+            buckets or bucket shares to them (a multiple knapsack).
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -38,12 +42,17 @@ class DeftConfig:
     peer_check_timeout_s: float = 5.0
     max_cached_graphs: int = 8
     plan_options: dict[str, Any] = field(default_factory=dict)
+    links: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
             raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
         if self.max_cached_graphs < 1:
             raise ValueError("max_cached_graphs must be at least 1")
+        from deft_compile.links import parse_link
+
+        for spec in self.links:
+            parse_link(spec)
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -26,7 +26,8 @@ from deft_compile.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.optim_support import check_optimizer, hyperparameter_key
 from deft_compile.passes.schedule import ItemPhase, ScheduledItem, pending_key
-from deft_compile.pipeline import CompiledGraph, annotate_capture, compile_captured
+from deft_compile.links import open_link
+from deft_compile.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
 from deft_compile.plan import LinkCost, Plan, Profile
 from deft_compile.scheduling import ProfileIndex, scheduled_items, static_profile
 from deft_compile.solvers import POLICIES, solve
@@ -81,10 +82,16 @@ class CompiledStep:
         self.step_count = 0
         self.trace_count = 0
         self.last_trace_seconds = 0.0
+        self._links: list[tuple[str, dist.ProcessGroup]] = []
         if self._process_group is not None:
             if config.check_consistency:
                 self._check_model_across_ranks()
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self._process_group)
+            self._links = [("default", self._process_group)] + [
+                (spec, open_link(spec, ranks=dist.get_process_group_ranks(self._process_group))) for spec in config.links
+            ]
+        elif config.links:
+            log.warning("DeftConfig.links is ignored: training is local (no process group or world size 1)")
 
     # -- public ---------------------------------------------------------------
     @property
@@ -241,21 +248,28 @@ class CompiledStep:
         if self.plan is None:
             if self.profile is None:
                 if self.policy in _STATIC_POLICIES:
-                    self.profile = static_profile(captured, index, [LinkCost("default", 0.0, 0.0)], self.world_size)
+                    links = [LinkCost(name, 0.0, 0.0) for name, _ in self._links]
+                    self.profile = static_profile(captured, index, links, self.world_size)
                 else:
                     from deft_compile.profiler import profile_step
 
                     user_tensors, _, _ = split_user_inputs(args, kwargs)
                     inputs = self._graph_inputs(captured.graph_module.meta["deft_layout"], captured, user_tensors)
-                    self.profile = profile_step(
-                        captured, annotation, inputs, [("default", self._process_group)], self.world_size
-                    )
+                    self.profile = profile_step(captured, annotation, inputs, self._links, self.world_size)
                     log.info("profiled the step:\n%s", self.profile.to_json())
+            if len(self.profile.links) != len(self._links):
+                raise DeftError(
+                    f"the profile describes {len(self.profile.links)} link(s) but this step has {len(self._links)} "
+                    f"(the process group plus DeftConfig.links={list(self.config.links)})"
+                )
             self.plan = solve(self.profile, self.policy, **self._solver_options())
             log.info("plan (%s):\n%s", self.policy, self.plan.table(self.profile))
         if self.config.check_consistency:
             check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
-        self._items = scheduled_items(self.plan, index, [self.comm_group])
+        groups = [
+            CommGroup(name=pg.group_name, rank=dist.get_rank(pg), world_size=dist.get_world_size(pg)) for _, pg in self._links
+        ]
+        self._items = scheduled_items(self.plan, index, groups)
 
     def _solver_options(self) -> dict[str, Any]:
         options: dict[str, Any] = dict(self.config.plan_options)

@@ -111,3 +111,18 @@ def test_update_period_matches_reference_and_keeps_replicas_identical(case):
         _check(report["final"], CASES[case][5], f"{case} rank {rank} after flush")
     for name, tensor in per_rank[0]["final_params"].items():
         assert torch.equal(tensor, per_rank[1]["final_params"][name]), f"replicas differ in {name}"
+
+
+def test_second_link_carries_bucket_shares():
+    """With a second channel (``DeftConfig(links=("gloo",))``, a second gloo group) DeFT splits buckets
+    over both links; each share is all-reduced on its own group and the result still equals the reference."""
+    results = run_local_workers(
+        compare_deft_with_delayed_reference, 2, ("mlp_dropout_sgd", 5, "deft", 1.5, ("gloo",)), timeout_s=240
+    )
+    per_rank = [r.value for r in results]
+    assert per_rank[0]["links_used"] == [0, 1]
+    assert len(per_rank[0]["groups_in_graph"]) == 2, per_rank[0]["groups_in_graph"]
+    for rank, report in enumerate(per_rank):
+        for entry in report["steps"]:
+            _check(entry, True, f"rank {rank} step {entry['step']}")
+        _check(report["final"], True, f"rank {rank} after flush")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -158,7 +159,8 @@ def compare_with_eager(case: str, steps: int, batches=None, optimizer_override=N
     return report
 
 
-def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, comm_over_compute: float = 0.9):
+def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, comm_over_compute: float = 0.9,
+                      links: int = 1):
     """A deterministic profile of ``model`` (same on every rank): compute grows with size and
     the link's all-reduce time totals ``comm_over_compute`` times the compute, so the solvers
     partition, reorder and delay as they would on a slow network."""
@@ -173,8 +175,10 @@ def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, com
         for p in profile.params
     ]
     compute = sum(p.forward_ms + p.backward_ms for p in params)
-    link = LinkCost("synthetic", 0.05, comm_over_compute * compute / sum(p.nbytes for p in params))
-    return dataclasses.replace(profile, params=params, links=[link], world_size=world_size)
+    beta = comm_over_compute * compute / sum(p.nbytes for p in params)
+    # A second link at half the bandwidth, like DESIGN.md's 1 Gbit/s + 500 Mbit/s pair.
+    costs = [LinkCost("synthetic", 0.05, beta), LinkCost("synthetic-2", 0.05, 2 * beta)][:links]
+    return dataclasses.replace(profile, params=params, links=costs, world_size=world_size)
 
 
 POLICY_OPTIONS = {
@@ -327,7 +331,8 @@ def plan_schedule_by_name(step) -> dict[str, tuple[int, int, int]]:
 
 
 def compare_deft_with_delayed_reference(
-    rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9
+    rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9,
+    links: tuple[str, ...] = (),
 ) -> dict:
     make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
     torch.manual_seed(0)
@@ -337,9 +342,10 @@ def compare_deft_with_delayed_reference(
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
     scratch = copy.deepcopy(base)
-    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size, comm_over_compute)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size, comm_over_compute,
+                                links=1 + len(links))
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
-                        config=DeftConfig(plan_options=POLICY_OPTIONS[options]))
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[options], links=links))
     reference = None
     report = []
     for t, (inputs, targets) in enumerate(batches):
@@ -353,11 +359,14 @@ def compare_deft_with_delayed_reference(
         entry.update(step=t, pending=len(step.pending))
         report.append(entry)
     steady_collectives = _graph_collectives(step)
+    steady_code = step.graph.graph_module.code
     step.flush()
     reference.flush()
     final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
     return {"steps": report, "final": final, "delayed": sorted(_delayed_names(step)),
             "periods": sorted({item.period for item in step.plan.items}),
+            "links_used": sorted({item.link for item in step.plan.items}),
+            "groups_in_graph": sorted(set(re.findall(r"all_reduce\.default\([^,]+, 'sum', '([^']+)'", steady_code))),
             "final_params": {n: p.detach().clone() for n, p in deft_model.named_parameters()},
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
             "collectives": steady_collectives, "items": len(step.plan.items)}
