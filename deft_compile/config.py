@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deft_compile.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, MiB
+from deft_compile.preserver import PreserverConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class DeftConfig:
             dropped.
         plan_options: extra keyword options for the policy's solver (see
             ``deft_compile.solvers``), e.g. ``{"max_staleness": 0}`` for DeFT.
+        preserver: thresholds of the Preserver, which watches the convergence
+            cost of delays and update periods while training and re-plans more
+            conservatively when it is too high (``policy="deft"`` only; on by
+            default; ``PreserverConfig(enabled=False)`` turns it off).
         links: extra communication channels besides the process group, e.g.
             ``("gloo:eth1",)`` or ``("gloo",)`` under NCCL (see
             ``deft_compile.links``). The profiler measures each; DeFT assigns
@@ -43,6 +48,7 @@ class DeftConfig:
     max_cached_graphs: int = 8
     plan_options: dict[str, Any] = field(default_factory=dict)
     links: tuple[str, ...] = ()
+    preserver: PreserverConfig = field(default_factory=PreserverConfig)
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:

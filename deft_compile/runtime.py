@@ -29,6 +29,8 @@ from deft_compile.passes.schedule import ItemPhase, ScheduledItem, pending_key
 from deft_compile.links import open_link
 from deft_compile.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
 from deft_compile.plan import LinkCost, Plan, Profile
+from deft_compile.preserver import Preserver
+from deft_compile.preserver_monitor import PreserverMonitor
 from deft_compile.scheduling import ProfileIndex, scheduled_items, static_profile
 from deft_compile.solvers import POLICIES, solve
 
@@ -79,6 +81,10 @@ class CompiledStep:
         self._accumulated: dict[int, int] = {}  # local gradients summed so far, per periodic item
         self._last_call: tuple[tuple, dict] | None = None
         self._verified_signature: list | None = None
+        self._index: ProfileIndex | None = None
+        self._groups: list[CommGroup] = []
+        self._monitor: PreserverMonitor | None = None
+        self.plan_history: list[dict[str, Any]] = []
         self.step_count = 0
         self.trace_count = 0
         self.last_trace_seconds = 0.0
@@ -126,7 +132,45 @@ class CompiledStep:
                 self._accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
         self._last_call = (args, kwargs)
         self.step_count += 1
+        if self._monitor is not None:
+            self._monitor.after_step(outputs)
         return outputs
+
+    @property
+    def preserver(self) -> Preserver | None:
+        """The Preserver watching this step's plan (``policy="deft"`` with a process group), or None."""
+        return self._monitor.preserver if self._monitor is not None else None
+
+    def switch_plan(self, options: dict[str, Any], reason: str) -> None:
+        """Re-solve with ``options`` and use the new plan from the next step; pending gradients are flushed first.
+
+        Every rank must call it at the same step with the same options (the
+        Preserver's signals are identical on all ranks, so its calls are).
+        """
+        self.flush()
+        self.plan = self.solve(options)
+        if self.config.check_consistency:
+            check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
+        self._items = scheduled_items(self.plan, self._index, self._groups)
+        self._accumulated = {}
+        self._verified_signature = None
+        self._record_plan(reason)
+        log.info("step %d: new plan (%s):\n%s", self.step_count, reason, self.plan.table(self.profile))
+
+    def solve(self, options: dict[str, Any]) -> Plan:
+        """The plan this step's policy gives for its profile with solver ``options`` (nothing changes)."""
+        return solve(self.profile, self.policy, **options)
+
+    def _record_plan(self, reason: str) -> None:
+        self.plan_history.append(
+            {
+                "step": self.step_count,
+                "plan_hash": self.plan.hash(),
+                "reason": reason,
+                "delayed_items": sum(1 for item in self.plan.items if item.delay),
+                "max_period": max((item.period for item in self.plan.items), default=1),
+            }
+        )
 
     def flush(self) -> None:
         """Apply every pending update now (delayed gradients, updates deferred to the next forward).
@@ -205,6 +249,7 @@ class CompiledStep:
             hyperparameter_key(self.optimizer),
             tuple(self._existing_state_slots()),
             tuple(sorted(phases.items())),
+            self.plan.hash() if self.plan is not None else None,
             flush,
         )
 
@@ -266,10 +311,27 @@ class CompiledStep:
             log.info("plan (%s):\n%s", self.policy, self.plan.table(self.profile))
         if self.config.check_consistency:
             check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
-        groups = [
+        self._index = index
+        self._groups = [
             CommGroup(name=pg.group_name, rank=dist.get_rank(pg), world_size=dist.get_world_size(pg)) for _, pg in self._links
         ]
-        self._items = scheduled_items(self.plan, index, groups)
+        self._items = scheduled_items(self.plan, index, self._groups)
+        if not self.plan_history:
+            self._record_plan("initial plan")
+        if self.policy == "deft" and self.config.preserver.enabled and self._monitor is None:
+            self._monitor = PreserverMonitor(self, self._new_preserver())
+
+    def _new_preserver(self) -> Preserver:
+        options = self._solver_options()
+        buckets = self.profile.buckets(options["first_bucket_bytes"], options["bucket_cap_bytes"])
+        link = self.profile.links[0]
+        costs = [link.cost(sum(self.profile.params[i].nbytes for i in bucket)) for bucket in buckets]
+        return Preserver(
+            self.config.preserver,
+            base_options=options,
+            max_period=int(options.get("max_period", 4)),
+            mean_comm_ms=sum(costs) / len(costs) if costs else 0.0,
+        )
 
     def _solver_options(self) -> dict[str, Any]:
         options: dict[str, Any] = dict(self.config.plan_options)

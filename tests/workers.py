@@ -426,3 +426,49 @@ def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict
         worst = max(worst, entry["max_abs"])
     return {"profile": step.profile.to_json(), "plan_hash": step.plan.hash(), "worst_abs": worst,
             "table": step.plan.table(step.profile)}
+
+
+def delaying_profile(model, optimizer, loss_fn, batch, world_size: int = 2):
+    """A profile whose DeFT plan (one bucket per parameter) delays all but the first-ready bucket:
+    3 ms forward and 1 ms backward per parameter, 2.5 ms per all-reduce."""
+    import dataclasses
+
+    from deft_compile.plan import LinkCost
+    from deft_compile.profiler import profile_model
+
+    profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+    params = [dataclasses.replace(p, forward_ms=3.0, backward_ms=1.0, update_ms=0.01) for p in profile.params]
+    return dataclasses.replace(profile, params=params, links=[LinkCost("slow", 2.5, 0.0)], world_size=world_size)
+
+
+def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: int, check_every: int = 5,
+                  synchronous: bool = False) -> dict:
+    """Regression MLP, SGD with momentum at a learning rate near the edge of stability, DeFT with a plan that
+    delays every bucket: staleness makes it diverge unless the Preserver backs off."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from deft_compile.preserver import PreserverConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    data = torch.Generator().manual_seed(10 + rank)
+    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(64, 16, generator=data)
+        batches.append((x, x @ teacher))
+    scratch = copy.deepcopy(model)
+    profile = delaying_profile(scratch, torch.optim.SGD(scratch.parameters(), lr=lr), F.mse_loss, batches[0], world_size)
+    config = DeftConfig(
+        plan_options={"first_bucket_bytes": 1, "bucket_cap_bytes": 1, "allow_period": False,
+                      **({"max_staleness": 0} if synchronous else {})},
+        preserver=PreserverConfig(enabled=enabled, check_every=check_every),
+    )
+    step = deft_compile(model, optimizer, F.mse_loss, policy="deft", profile=profile, config=config)
+    losses = [float(step(x, y)) for x, y in batches]
+    step.flush()
+    return {"losses": losses, "history": step.plan_history,
+            "events": [str(e) for e in (step.preserver.history if step.preserver else [])],
+            "metrics": [e.metrics for e in (step.preserver.history if step.preserver else [])]}
