@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         cli_simulate = None
     if cli_simulate is not None:
         cli_simulate.add_parser(subparsers)
+    from deft_compile import cli_explain
+
+    cli_explain.add_parser(subparsers)
     return parser
 
 

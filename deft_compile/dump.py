@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch.fx as fx
 
+from deft_compile.artifacts import log_graph_pass
+
 
 def node_kinds(gm: fx.GraphModule) -> collections.Counter:
     """Count nodes by op (placeholders, outputs, and each call target)."""
@@ -29,14 +31,18 @@ class GraphDumper:
     Created with ``directory=None`` it does nothing, so callers need no branches.
     """
 
-    def __init__(self, directory: str | os.PathLike | None) -> None:
+    def __init__(self, directory: str | os.PathLike | None, graph_index: int = 0) -> None:
         self.directory = Path(directory) if directory is not None else None
+        self.graph_index = graph_index
+        self._pass_count = 0
         self._previous: collections.Counter | None = None
         self._records: list[dict] = []
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     def record(self, name: str, gm: fx.GraphModule) -> None:
+        log_graph_pass(self.graph_index, self._pass_count, name, gm)  # TORCH_TRACE; free when it is off
+        self._pass_count += 1
         if self.directory is None:
             return
         counts = node_kinds(gm)
@@ -57,6 +63,8 @@ class GraphDumper:
             "",
         ]
         code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+        # print_readable names the class after the traced lambda, which is not valid Python.
+        code = code.replace("class <lambda>(", "class StepGraph(", 1)
         (self.directory / filename).write_text("\n".join(header) + code)
         self._records.append({"index": index, "pass": name, "file": filename, "nodes": sum(counts.values()), "diff": diff})
         (self.directory / "passes.json").write_text(json.dumps(self._records, indent=2))

@@ -150,6 +150,10 @@ class Preserver:
         event = PreserverEvent(step=step, reason=f"{reason}; re-planning: {name}", metrics=metrics, options=options, level=self.level)
         self.history.append(event)
         log.warning("Preserver at step %d: %s", step, event.reason)
+        from deft_compile.artifacts import log_structured
+
+        log_structured("preserver", {"step": step, "reason": event.reason, "level": self.level, "options": options,
+                                     "metrics": metrics})
         return event
 
     # -- signals --------------------------------------------------------------

@@ -13,6 +13,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from deft_compile.artifacts import (
+    MeasuredTimelineRecorder,
+    log_structured,
+    measured_step_index,
+    plan_cycle,
+    record_plan,
+    write_plan_artifacts,
+)
 from deft_compile.capture import CapturedStep, StateSlot, capture_step, split_user_inputs
 from deft_compile.config import DeftConfig
 from deft_compile.distributed import (
@@ -84,6 +92,7 @@ class CompiledStep:
         self._index: ProfileIndex | None = None
         self._groups: list[CommGroup] = []
         self._monitor: PreserverMonitor | None = None
+        self._recorder: MeasuredTimelineRecorder | None = None
         self.plan_history: list[dict[str, Any]] = []
         self.step_count = 0
         self.trace_count = 0
@@ -126,7 +135,7 @@ class CompiledStep:
             compiled = self._compile(key, args, kwargs, phases, flush=False)
         else:
             self._graphs.move_to_end(key)
-        outputs = self._run(compiled, user_tensors)
+        outputs = self._timed_run(compiled, user_tensors)
         for item in self._items:
             if item.period > 1:
                 self._accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
@@ -135,6 +144,16 @@ class CompiledStep:
         if self._monitor is not None:
             self._monitor.after_step(outputs)
         return outputs
+
+    def _timed_run(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """Run the step; with a dump folder, record a measured timeline of a few steps (``DEFT_DUMP_MEASURE_STEP``)."""
+        if self.dump_dir is not None and self._recorder is None and self.step_count == measured_step_index():
+            rank = self.comm_group.rank if self.comm_group is not None else 0
+            cycle = plan_cycle(self.plan) if self.plan is not None else 1
+            self._recorder = MeasuredTimelineRecorder(self.dump_dir / f"timeline_measured_rank{rank}.json", cycle)
+        if self._recorder is not None and not self._recorder.finished:
+            return self._recorder.around(lambda: self._run(compiled, user_tensors))
+        return self._run(compiled, user_tensors)
 
     @property
     def preserver(self) -> Preserver | None:
@@ -156,6 +175,9 @@ class CompiledStep:
         self._verified_signature = None
         self._record_plan(reason)
         log.info("step %d: new plan (%s):\n%s", self.step_count, reason, self.plan.table(self.profile))
+        log_structured("plan_change", {"step": self.step_count, "reason": reason, "plan": self.plan.to_dict()})
+        if self.dump_dir is not None and (self.comm_group is None or self.comm_group.rank == 0):
+            write_plan_artifacts(self.dump_dir / f"plan_step{self.step_count}", self.profile, self.plan)
 
     def solve(self, options: dict[str, Any]) -> Plan:
         """The plan this step's policy gives for its profile with solver ``options`` (nothing changes)."""
@@ -265,9 +287,8 @@ class CompiledStep:
         started = time.perf_counter()
         captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
-        compiled = compile_captured(
-            captured, self._items, self.comm_group, self.config, GraphDumper(dump_dir), phases=phases, flush=flush
-        )
+        dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
+        compiled = compile_captured(captured, self._items, self.comm_group, self.config, dumper, phases=phases, flush=flush)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
         log.info(
@@ -309,6 +330,7 @@ class CompiledStep:
                 )
             self.plan = solve(self.profile, self.policy, **self._solver_options())
             log.info("plan (%s):\n%s", self.policy, self.plan.table(self.profile))
+        record_plan(self.profile, self.plan, self.dump_dir if self.comm_group.rank == 0 else None)
         if self.config.check_consistency:
             check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
         self._index = index

@@ -472,3 +472,23 @@ def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: i
     return {"losses": losses, "history": step.plan_history,
             "events": [str(e) for e in (step.preserver.history if step.preserver else [])],
             "metrics": [e.metrics for e in (step.preserver.history if step.preserver else [])]}
+
+
+def dumped_deft_run(rank: int, world_size: int, dump_dir: str, steps: int) -> dict:
+    """deft with dump_dir on 2 ranks: returns what the runtime wrote and the code that ran."""
+    import os
+
+    os.environ["DEFT_DUMP_MEASURE_STEP"] = "2"
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    data = torch.Generator().manual_seed(rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(model)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
+                        config=DeftConfig(plan_options=POLICY_OPTIONS["deft"]), dump_dir=f"{dump_dir}/rank{rank}")
+    for inputs, targets in batches:
+        step(inputs, targets)
+    return {"plan_hash": step.plan.hash(), "code": step.graph.graph_module.code, "traces": step.trace_count}
