@@ -19,7 +19,7 @@ def deft_compile(
     optimizer: torch.optim.Optimizer,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     *,
-    policy: str = "wfbp",
+    policy: str = "deft",
     config: DeftConfig | None = None,
     process_group: dist.ProcessGroup | None = None,
     dump_dir: str | os.PathLike | None = None,
@@ -45,9 +45,13 @@ def deft_compile(
         optimizer: a per-parameter optimizer over ``model``'s parameters (SGD,
             Adam, AdamW, RMSprop, Adagrad).
         loss_fn: optional ``loss_fn(output, targets) -> scalar``.
-        policy: communication schedule: ``"wfbp"`` (PyTorch DDP's wait-free
-            back-propagation with gradient buckets), ``"bytescheduler"``,
-            ``"usbyte"`` or ``"deft"`` (see ``docs/POLICIES.md``).
+        policy: communication schedule: ``"deft"`` (default: DDP buckets,
+            delayed where the knapsacks say it hides communication, update
+            periods when communication exceeds compute, extra links, watched
+            by the Preserver), ``"wfbp"`` (PyTorch DDP's schedule: same
+            numbers as DDP), ``"bytescheduler"`` or ``"usbyte"`` (see
+            ``docs/POLICIES.md``). On the first step the step is profiled
+            (compute and link) unless the plan needs no times (``wfbp``).
         config: bucket sizes, buffer broadcasting and checks (``DeftConfig``).
         process_group: the data-parallel group.
         dump_dir: if set (or the environment variable ``DEFT_DUMP`` is), the

@@ -70,7 +70,9 @@ def demo_worker(rank: int, world_size: int, steps: int, batch: int) -> dict:
         return loss.detach()
 
     deft_model = copy.deepcopy(base)
-    deft_step = deft_compile(deft_model, torch.optim.SGD(deft_model.parameters(), lr=0.05, momentum=0.9), F.cross_entropy)
+    deft_step = deft_compile(
+        deft_model, torch.optim.SGD(deft_model.parameters(), lr=0.05, momentum=0.9), F.cross_entropy, policy="wfbp"
+    )
     results = {}
     for label, fn in (("torch DDP", ddp_step), ("deft_compile wfbp", deft_step)):
         torch.manual_seed(rank)

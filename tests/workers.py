@@ -93,7 +93,8 @@ def _tiny_step(hidden: int, **config):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = deft_compile(model, optimizer, lambda out, y: ((out - y) ** 2).mean(), config=DeftConfig(**config))
+    # wfbp: every step communicates (a deft plan with an update period may skip a step's collectives).
+    step = deft_compile(model, optimizer, lambda out, y: ((out - y) ** 2).mean(), policy="wfbp", config=DeftConfig(**config))
     return step
 
 
