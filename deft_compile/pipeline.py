@@ -53,8 +53,12 @@ class CompiledGraph:
         return layout_of(self.graph_module)
 
     def collective_signature(self) -> list[tuple]:
-        """Per item, its group and the element counts it carries: what ranks must agree on."""
-        return [(item.group_name, tuple(s.count for s in item.slices), item.apply, item.period) for item in self.items]
+        """Per item, its group size and the element counts it carries: what ranks must agree on.
+
+        Group sizes, not names: under DS-Sync ranks in different groups run the
+        same items on different groups of the same size.
+        """
+        return [(item.world_size, tuple(s.count for s in item.slices), item.apply, item.period) for item in self.items]
 
 
 def annotate_capture(captured: CapturedStep) -> StepAnnotation:

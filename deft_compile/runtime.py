@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import time
@@ -40,12 +41,12 @@ from deft_compile.plan import LinkCost, Plan, Profile
 from deft_compile.preserver import Preserver
 from deft_compile.preserver_monitor import PreserverMonitor
 from deft_compile.scheduling import ProfileIndex, scheduled_items, static_profile
-from deft_compile.solvers import POLICIES, solve
+from deft_compile.solvers import POLICIES, dssync_partition, solve
 
 log = logging.getLogger("deft_compile")
 
 # Policies whose plan does not depend on measured times: no profiling needed.
-_STATIC_POLICIES = ("wfbp",)
+_STATIC_POLICIES = ("wfbp", "dssync")
 
 
 class CompiledStep:
@@ -93,6 +94,8 @@ class CompiledStep:
         self._groups: list[CommGroup] = []
         self._monitor: PreserverMonitor | None = None
         self._recorder: MeasuredTimelineRecorder | None = None
+        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._step_group: CommGroup | None = None  # DS-Sync: this step's group
         self.plan_history: list[dict[str, Any]] = []
         self.step_count = 0
         self.trace_count = 0
@@ -128,6 +131,8 @@ class CompiledStep:
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
         if self.comm_group is not None and not self._items:
             self._plan_from(args, kwargs)
+        if self.policy == "dssync" and self.comm_group is not None:
+            self._enter_dssync_group()
         phases = self._phases(flush=False)
         key = self._cache_key(user_tensors, constants, spec, phases, flush=False)
         compiled = self._graphs.get(key)
@@ -144,6 +149,36 @@ class CompiledStep:
         if self._monitor is not None:
             self._monitor.after_step(outputs)
         return outputs
+
+    # -- DS-Sync ----------------------------------------------------------------
+    def _enter_dssync_group(self) -> None:
+        """Point this step's items (and the buffer broadcast) at this rank's DS-Sync group for this step."""
+        options = self.plan.options
+        partition = dssync_partition(
+            self.world_size, options["group_size"], self.step_count, seed=options["seed"], shuffle_every=options["shuffle_every"]
+        )
+        members = dist.get_process_group_ranks(self._process_group)
+        mine = None
+        for group in partition:  # every rank creates every group of the partition, in the same order
+            global_ranks = tuple(members[r] for r in group)
+            if global_ranks not in self._subgroups:
+                self._subgroups[global_ranks] = dist.new_group(list(global_ranks))
+            if self.comm_group.rank in group:
+                mine = self._subgroups[global_ranks]
+        self._step_group = CommGroup(name=mine.group_name, rank=dist.get_rank(mine), world_size=dist.get_world_size(mine))
+        self._items = [
+            dataclasses.replace(item, group_name=self._step_group.name, world_size=self._step_group.world_size)
+            for item in self._items
+        ]
+
+    def _average_replicas(self) -> None:
+        """DS-Sync's global average: after it every rank holds the same parameters and buffers."""
+        tensors = [t for t in [*self.model.parameters(), *self.model.buffers()] if t.is_floating_point()]
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.all_reduce(tensor, group=self._process_group)
+                tensor.div_(self.world_size)
+        log.info("DS-Sync: averaged %d parameter and buffer tensors over all %d ranks", len(tensors), self.world_size)
 
     def _timed_run(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> torch.Tensor | None:
         """Run the step; with a dump folder, record a measured timeline of a few steps (``DEFT_DUMP_MEASURE_STEP``)."""
@@ -201,6 +236,8 @@ class CompiledStep:
         step starts like a first step of the pending items. Without pending
         communication this does nothing.
         """
+        if self.policy == "dssync" and self._process_group is not None:
+            self._average_replicas()
         if not self._carry:
             return
         if self._last_call is None:
@@ -272,6 +309,7 @@ class CompiledStep:
             tuple(self._existing_state_slots()),
             tuple(sorted(phases.items())),
             self.plan.hash() if self.plan is not None else None,
+            tuple((item.group_name, item.world_size) for item in self._items),
             flush,
         )
 
@@ -288,7 +326,8 @@ class CompiledStep:
         captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
-        compiled = compile_captured(captured, self._items, self.comm_group, self.config, dumper, phases=phases, flush=flush)
+        group = self._step_group or self.comm_group
+        compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
         log.info(
@@ -357,7 +396,7 @@ class CompiledStep:
 
     def _solver_options(self) -> dict[str, Any]:
         options: dict[str, Any] = dict(self.config.plan_options)
-        if self.policy in ("wfbp", "deft"):
+        if self.policy in ("wfbp", "deft", "dssync"):
             options.setdefault("first_bucket_bytes", self.config.first_bucket_bytes)
             options.setdefault("bucket_cap_bytes", self.config.bucket_cap_bytes)
         return options

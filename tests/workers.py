@@ -493,3 +493,51 @@ def dumped_deft_run(rank: int, world_size: int, dump_dir: str, steps: int) -> di
     for inputs, targets in batches:
         step(inputs, targets)
     return {"plan_hash": step.plan.hash(), "code": step.graph.graph_module.code, "traces": step.trace_count}
+
+
+def dssync_run(rank: int, world_size: int, steps: int) -> dict:
+    """DS-Sync on 4 ranks against an eager reference that averages within the same groups."""
+    import re as _re
+
+    import torch.distributed as dist
+
+    from deft_compile.solvers import dssync_partition
+
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
+    torch.manual_seed(0)
+    base = make_model()
+    ref_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_optimizer, deft_optimizer = make_optimizer(ref_model), make_optimizer(deft_model)
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="dssync",
+                        config=DeftConfig(plan_options={"group_size": 2, "seed": 7}))
+    data = torch.Generator().manual_seed(1234 + rank)
+    reference_groups: dict[tuple, object] = {}
+    report = []
+    for t in range(steps):
+        inputs, targets = make_batch(data)
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        used = set(_re.findall(r"all_reduce\.default\([^,]+, 'sum', '([^']+)'", step.graph.graph_module.code))
+        members = [dist.get_process_group_ranks(pg) for pg in step._subgroups.values()
+                   if isinstance(pg, dist.ProcessGroup) and pg.group_name in used]
+        # Reference: same partition, own groups, gradients averaged within the group.
+        partition = dssync_partition(world_size, 2, t, seed=7)
+        mine = None
+        for group in partition:
+            if group not in reference_groups:
+                reference_groups[group] = dist.new_group(list(group))
+            if rank in group:
+                mine = group
+        torch.manual_seed(100 * rank + t)
+        ref_optimizer.zero_grad(set_to_none=True)
+        loss_fn(ref_model(inputs), targets).backward()
+        for p in ref_model.parameters():
+            p.grad = p.grad * 0.5
+            dist.all_reduce(p.grad, group=reference_groups[mine])
+        ref_optimizer.step()
+        diff = max((a - b).abs().max().item() for a, b in zip(deft_model.parameters(), ref_model.parameters()))
+        report.append({"step": t, "members": members, "expected": list(mine), "max_abs": diff})
+    before_flush = [p.detach().clone() for p in deft_model.parameters()]
+    step.flush()
+    return {"steps": report, "before_flush": before_flush,
+            "after_flush": [p.detach().clone() for p in deft_model.parameters()]}

@@ -1,0 +1,38 @@
+"""DS-Sync: each step averages within a small group that reshuffles; flush() restores one model (4 workers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deft_compile.launcher import run_local_workers
+from deft_compile.solvers import dssync_partition
+from workers import dssync_run
+
+
+def test_partition_is_a_seeded_shuffle_of_disjoint_groups():
+    for step in range(6):
+        groups = dssync_partition(8, 2, step, seed=3)
+        assert sorted(r for g in groups for r in g) == list(range(8))
+        assert all(len(g) == 2 for g in groups)
+        assert groups == dssync_partition(8, 2, step, seed=3)
+    assert len({tuple(dssync_partition(8, 2, s, seed=3)) for s in range(6)}) > 1, "groupings reshuffle"
+    assert dssync_partition(8, 2, 0, seed=3, shuffle_every=4) == dssync_partition(8, 2, 3, seed=3, shuffle_every=4)
+    with pytest.raises(ValueError):
+        dssync_partition(6, 4, 0)
+
+
+def test_dssync_averages_within_the_planned_group_and_flush_restores_one_model():
+    results = [r.value for r in run_local_workers(dssync_run, 4, (6,), timeout_s=300)]
+    for rank, report in enumerate(results):
+        for entry in report["steps"]:
+            assert entry["members"] == [entry["expected"]], f"rank {rank} step {entry['step']}: wrong group"
+            assert entry["max_abs"] == 0.0, f"rank {rank} step {entry['step']}: differs from the reference"
+    # Groups differ, so replicas differ before the global average ...
+    assert any(
+        not torch.equal(a, b) for a, b in zip(results[0]["before_flush"], results[1]["before_flush"])
+    ) or any(not torch.equal(a, b) for a, b in zip(results[0]["before_flush"], results[2]["before_flush"]))
+    # ... and are one model after it.
+    for other in results[1:]:
+        for a, b in zip(results[0]["after_flush"], other["after_flush"]):
+            assert torch.equal(a, b)
