@@ -34,7 +34,7 @@ from deft_compile.distributed import (
 from deft_compile.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.optim_support import check_optimizer, hyperparameter_key
-from deft_compile.passes.schedule import ItemPhase, ScheduledItem, pending_key
+from deft_compile.passes.schedule import ItemPhase, ScheduledItem, accumulator_key, pending_key
 from deft_compile.links import open_link
 from deft_compile.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
 from deft_compile.plan import LinkCost, Plan, Profile
@@ -46,7 +46,7 @@ from deft_compile.solvers import POLICIES, dssync_partition, solve
 log = logging.getLogger("deft_compile")
 
 # Policies whose plan does not depend on measured times: no profiling needed.
-_STATIC_POLICIES = ("wfbp", "dssync")
+_STATIC_POLICIES = ("wfbp", "dssync")  # (dlcp needs the link cost for its deadline: profiled)
 
 
 class CompiledStep:
@@ -97,6 +97,7 @@ class CompiledStep:
         self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._step_group: CommGroup | None = None  # DS-Sync: this step's group
         self.plan_history: list[dict[str, Any]] = []
+        self.last_stats: dict[str, list[float]] = {}  # DLCP: per item [chunks sent, dropped mass fraction]
         self.step_count = 0
         self.trace_count = 0
         self.last_trace_seconds = 0.0
@@ -205,7 +206,7 @@ class CompiledStep:
         self.plan = self.solve(options)
         if self.config.check_consistency:
             check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
-        self._items = scheduled_items(self.plan, self._index, self._groups)
+        self._items = scheduled_items(self.plan, self._index, self._groups, self.profile.params[0].element_bytes)
         self._accumulated = {}
         self._verified_signature = None
         self._record_plan(reason)
@@ -288,6 +289,10 @@ class CompiledStep:
         for item in self._items:
             accumulated = self._accumulated.get(item.id, 0)
             pending = pending_key(item.id) in self._carry
+            if item.drop is not None:  # DLCP: the residual of dropped chunks is added to the next gradient
+                residual = accumulator_key(item.id) in self._carry
+                phases[item.id] = ItemPhase(False, residual, communicate=not flush, count=1)
+                continue
             if flush:
                 phases[item.id] = ItemPhase(pending, accumulated > 0, communicate=False, count=max(accumulated, 1))
             else:
@@ -376,7 +381,7 @@ class CompiledStep:
         self._groups = [
             CommGroup(name=pg.group_name, rank=dist.get_rank(pg), world_size=dist.get_world_size(pg)) for _, pg in self._links
         ]
-        self._items = scheduled_items(self.plan, index, self._groups)
+        self._items = scheduled_items(self.plan, index, self._groups, self.profile.params[0].element_bytes)
         if not self.plan_history:
             self._record_plan("initial plan")
         if self.policy == "deft" and self.config.preserver.enabled and self._monitor is None:
@@ -435,7 +440,9 @@ class CompiledStep:
             self.optimizer.state[params[index]].update(entries)
         for index, gradient in zip(layout.gradient_outputs, gradients):
             params[index].grad = gradient
-        self._carry = dict(zip(layout.carry_outputs, carries))
+        carried = dict(zip(layout.carry_outputs, carries))
+        self._carry = {key: value for key, value in carried.items() if not key.startswith("stats:")}
+        self.last_stats = {key: value.tolist() for key, value in carried.items() if key.startswith("stats:")}
         return loss
 
     # -- checks -----------------------------------------------------------------

@@ -19,6 +19,7 @@ from deft_compile.passes.schedule import (
     LAUNCH_START_OF_BACKWARD,
     LAUNCH_START_OF_FORWARD,
     LAUNCH_WHEN_READY,
+    DropSpec,
     ScheduledItem,
     Slice,
 )
@@ -99,7 +100,23 @@ def static_profile(
     )
 
 
-def scheduled_items(plan: Plan, index: ProfileIndex, groups: list[CommGroup]) -> list[ScheduledItem]:
+def _drop_spec(plan: Plan, item, index: ProfileIndex, element_bytes: int) -> DropSpec | None:
+    """DLCP's chunking of ``item``: chunk size in elements, budget, and each chunk's layer rank (input side first)."""
+    options = plan.options
+    if options.get("deadline_ms") is None:
+        return None
+    chunk_numel = max(1, options["chunk_bytes"] // element_bytes)
+    layers: list[int] = []
+    for s in item.slices:
+        layers.extend([index.layer[index.ready[s.param]]] * s.count)
+    ranks = tuple(min(layers[start : start + chunk_numel]) for start in range(0, len(layers), chunk_numel))
+    return DropSpec(chunk_numel=chunk_numel, budget=int(options["chunk_budget"]), max_loss=float(options["max_loss"]),
+                    chunk_rank=ranks)
+
+
+def scheduled_items(
+    plan: Plan, index: ProfileIndex, groups: list[CommGroup], element_bytes: int = 4
+) -> list[ScheduledItem]:
     """The plan's items in issue order, on captured parameter indices and process-group names."""
     items = []
     for item in plan.items:
@@ -120,6 +137,7 @@ def scheduled_items(plan: Plan, index: ProfileIndex, groups: list[CommGroup]) ->
         else:
             raise ValueError(f"plan item {item.id}: unknown update point {item.update_at!r}")
         slices = tuple(Slice(index.ready[s.param], s.offset, s.count) for s in item.slices)
+        drop = _drop_spec(plan, item, index, element_bytes) if plan.policy == "dlcp" else None
         items.append(
             ScheduledItem(
                 id=item.id,
@@ -130,6 +148,7 @@ def scheduled_items(plan: Plan, index: ProfileIndex, groups: list[CommGroup]) ->
                 apply=apply,
                 period=item.period,
                 offset=item.period_offset,
+                drop=drop,
             )
         )
     return items

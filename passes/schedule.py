@@ -43,6 +43,7 @@ from deft_compile.layout import GraphLayout
 from deft_compile.passes.collectives import ALL_REDUCE, WAIT
 
 aten = torch.ops.aten
+_getitem = operator.getitem
 
 APPLY_THIS_STEP = "this-step"
 APPLY_NEXT_FORWARD = "next-forward"
@@ -62,6 +63,24 @@ class Slice:
 
 
 @dataclass(frozen=True)
+class DropSpec:
+    """DLCP's bounded-loss rule for one item (see ``deft_compile.solvers.dlcp``).
+
+    The item's flat gradient (plus the carried residual) is cut into chunks of
+    ``chunk_numel`` elements. Chunks are ordered by ``chunk_rank`` (static:
+    input-side layers first), then by their squared norm summed over all ranks
+    (larger first). The first ``max(budget, n_bound)`` chunks are all-reduced,
+    where ``n_bound`` is the fewest chunks that leave at most ``max_loss`` of
+    the total squared norm behind; the rest stays on each rank as the residual.
+    """
+
+    chunk_numel: int
+    budget: int
+    max_loss: float
+    chunk_rank: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ScheduledItem:
     id: int
     slices: tuple[Slice, ...]
@@ -71,6 +90,7 @@ class ScheduledItem:
     apply: str = APPLY_THIS_STEP
     period: int = 1
     offset: int = 0
+    drop: DropSpec | None = None
 
     @property
     def params(self) -> list[int]:
@@ -109,6 +129,10 @@ def pending_key(item_id: int) -> str:
 
 def accumulator_key(item_id: int) -> str:
     return f"acc:{item_id}"
+
+
+def stats_key(item_id: int) -> str:
+    return f"stats:{item_id}"
 
 
 def apply_schedule(
@@ -282,10 +306,21 @@ class _ScheduleRewriter:
             launches = phase.communicate and item.apply != APPLY_NEXT_UPDATE
             if launches and item.group_name in last_anchor and self.order[last_anchor[item.group_name]] > self.order[ready]:
                 anchor = last_anchor[item.group_name]
-            with self.graph.inserting_before(anchor.next):
+            insert_at = anchor.next  # fixed now: anchor.next moves as nodes are inserted after the anchor
+            with self.graph.inserting_before(insert_at):
                 local = self._local_flat(item)
                 if phase.accumulated_in:
                     local = self.graph.call_function(aten.add.Tensor, (carried[accumulator_key(item.id)], local))
+                if item.drop is not None:
+                    reduced, restore = self._send_chunks(item, local)
+            if item.drop is not None:
+                last_anchor[item.group_name] = anchor
+                point = self._first_update(item.params)
+                with self.graph.inserting_before(point):
+                    averaged = restore(self.graph.call_function(WAIT, (reduced,)))
+                self._collect(item, averaged, point, move=False)
+                continue
+            with self.graph.inserting_before(insert_at):
                 if not phase.communicate:
                     self._carry_out[accumulator_key(item.id)] = local
                     continue
@@ -302,6 +337,56 @@ class _ScheduleRewriter:
             with self.graph.inserting_before(point):
                 averaged = self.graph.call_function(WAIT, (reduced,))
             self._collect(item, averaged, point, move=False)
+
+    def _send_chunks(self, item: ScheduledItem, local: fx.Node):
+        """DLCP: launch the all-reduce of the chunks that make the cut; keep the rest as the residual.
+
+        Returns the launched collective and a function that, given its waited
+        result, emits the full averaged flat gradient (zeros where chunks were
+        dropped). The residual and ``[chunks sent, dropped mass fraction]`` go
+        out as carries. Sizes depend on the data (how many chunks are sent);
+        the graph runs them eagerly, so that is fine at run time.
+        """
+        g, spec = self.graph, item.drop
+        numel = sum(s.count for s in item.slices)
+        count = math.ceil(numel / spec.chunk_numel)
+        padded = g.call_function(aten.constant_pad_nd.default, (local, [0, count * spec.chunk_numel - numel], 0.0))
+        chunks = g.call_function(aten.view.default, (padded, [count, spec.chunk_numel]))
+        masses = g.call_function(aten.sum.dim_IntList, (g.call_function(aten.mul.Tensor, (chunks, chunks)), [1]))
+        masses = g.call_function(WAIT, (g.call_function(ALL_REDUCE, (masses, "sum", item.group_name)),))
+        # Priority: static layer rank first, larger mass first within it (two stable sorts).
+        by_mass = g.call_function(_getitem, (g.call_function(aten.sort.stable, (g.call_function(aten.neg.default, (masses,)),), {"stable": True}), 1))
+        ranks = g.call_function(torch.tensor, (list(spec.chunk_rank),), {"dtype": torch.int64})
+        ranks_by_mass = g.call_function(aten.index.Tensor, (ranks, [by_mass]))
+        by_rank = g.call_function(_getitem, (g.call_function(aten.sort.stable, (ranks_by_mass,), {"stable": True}), 1))
+        order = g.call_function(aten.index.Tensor, (by_mass, [by_rank]))
+        sorted_mass = g.call_function(aten.index.Tensor, (masses, [order]))
+        total = g.call_function(aten.sum.default, (masses,))
+        tail = g.call_function(aten.flip.default, (g.call_function(aten.cumsum.default, (g.call_function(aten.flip.default, (sorted_mass, [0])), 0)), [0]))
+        allowed = g.call_function(aten.mul.Tensor, (total, spec.max_loss))
+        n_bound = g.call_function(aten.sum.default, (g.call_function(aten.gt.Tensor, (tail, allowed)),))
+        n = g.call_function(aten.clamp_min.default, (n_bound, spec.budget))
+        n_sent = g.call_function(aten._local_scalar_dense.default, (n,))
+        sent_index = g.call_function(aten.slice.Tensor, (order, 0, 0, n_sent))
+        sent = g.call_function(aten.index_select.default, (chunks, 0, sent_index))
+        flat_sent = g.call_function(aten.mul.Tensor, (g.call_function(aten.reshape.default, (sent, [-1])), 1.0 / item.world_size))
+        reduced = g.call_function(ALL_REDUCE, (flat_sent, "sum", item.group_name))
+        residual = g.call_function(aten.index_fill.int_Scalar, (chunks, 0, sent_index, 0.0))
+        residual = g.call_function(aten.slice.Tensor, (g.call_function(aten.reshape.default, (residual, [-1])), 0, 0, numel))
+        self._carry_out[accumulator_key(item.id)] = residual
+        kept = g.call_function(aten.sum.default, (g.call_function(aten.slice.Tensor, (sorted_mass, 0, 0, n_sent)),))
+        dropped = g.call_function(aten.div.Tensor, (g.call_function(aten.sub.Tensor, (total, kept)), g.call_function(aten.clamp_min.default, (total, 1e-30))))
+        self._carry_out[stats_key(item.id)] = g.call_function(
+            aten.stack.default, ([g.call_function(aten._to_copy.default, (n,), {"dtype": torch.float64}), g.call_function(aten._to_copy.default, (dropped,), {"dtype": torch.float64})],)
+        )
+
+        def restore(averaged: fx.Node) -> fx.Node:
+            rows = g.call_function(aten.view.default, (averaged, [-1, spec.chunk_numel]))
+            zeros = g.call_function(aten.zeros_like.default, (chunks,))
+            full = g.call_function(aten.index_copy.default, (zeros, 0, sent_index, rows))
+            return g.call_function(aten.slice.Tensor, (g.call_function(aten.reshape.default, (full, [-1])), 0, 0, numel))
+
+        return reduced, restore
 
     def _from_previous_calls(self, carried: dict[str, fx.Node]) -> None:
         """Apply what earlier calls left: pending communication, and in a flush partial accumulations."""

@@ -541,3 +541,67 @@ def dssync_run(rank: int, world_size: int, steps: int) -> dict:
     step.flush()
     return {"steps": report, "before_flush": before_flush,
             "after_flush": [p.detach().clone() for p in deft_model.parameters()]}
+
+
+def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: int) -> dict:
+    """DLCP: per step, check the drop bound, that the residual plus the applied average conserves every
+    rank's gradient exactly, and that all ranks hold the same model; without a deadline compare with DDP."""
+    import torch.distributed as dist
+
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
+    torch.manual_seed(0)
+    base = make_model()
+    model, ddp_model = copy.deepcopy(base), copy.deepcopy(base)
+    optimizer, ddp_optimizer = make_optimizer(model), make_optimizer(ddp_model)
+    ddp = DistributedDataParallel(ddp_model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size, comm_over_compute=2.0)
+    step = deft_compile(model, optimizer, loss_fn, policy="dlcp", profile=profile,
+                        config=DeftConfig(plan_options={"deadline_ms": deadline_ms, "max_loss": max_loss, "chunk_bytes": 256}))
+    names = [p.name for p in profile.params]  # ready order, as the flat buffer
+    params = dict(model.named_parameters())
+    report = []
+    for t, (inputs, targets) in enumerate(batches):
+        # This rank's local gradient at the current weights, computed eagerly on a copy with the same RNG.
+        probe = copy.deepcopy(model)
+        torch.manual_seed(100 * rank + t)
+        loss_fn(probe(inputs), targets).backward()
+        local = torch.cat([dict(probe.named_parameters())[n].grad.reshape(-1) for n in names])
+        previous = step._carry.get("acc:0")
+        if previous is not None:
+            local = previous + local
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        torch.manual_seed(100 * rank + t)
+        ddp_optimizer.zero_grad(set_to_none=True)
+        loss_fn(ddp(inputs), targets).backward()
+        ddp_optimizer.step()
+        applied = torch.cat([params[n].grad.reshape(-1) for n in names])
+        residual = step._carry.get("acc:0", torch.zeros_like(local))
+        conserved = applied * world_size
+        total_residual = residual.clone()
+        dist.all_reduce(total_residual)
+        total_local = local.clone()
+        dist.all_reduce(total_local)
+        same = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        other = same.clone()
+        dist.broadcast(other, src=0)
+        stats = step.last_stats.get("stats:0")
+        report.append({
+            "step": t,
+            "stats": stats,
+            "conservation_error": (conserved + total_residual - total_local).abs().max().item(),
+            "replicas_equal": bool(torch.equal(same, other)),
+            "ddp_max_abs": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp_model.parameters())),
+            "residual_norm": residual.norm().item(),
+        })
+    had_residual = "acc:0" in step._carry
+    step.flush()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    return {"steps": report, "budget": step.plan.options["chunk_budget"], "chunks": step.plan.metadata["chunks"],
+            "had_residual": had_residual, "carry_after_flush": sorted(step._carry),
+            "replicas_equal_after_flush": bool(torch.equal(flat, reference))}

@@ -1,7 +1,7 @@
 """Solvers: turn a Profile into a Plan for one scheduling policy.
 
 ``solve(profile, policy, **options)`` dispatches to ``wfbp``,
-``bytescheduler``, ``usbyte``, ``deft`` or ``dssync``; each module's docstring states its
+``bytescheduler``, ``usbyte``, ``deft``, ``dssync`` or ``dlcp``; each module's docstring states its
 algorithm, search and assumptions. No torch here.
 """
 
@@ -12,6 +12,7 @@ from typing import Any, Callable
 from deft_compile.plan import Plan, Profile
 from deft_compile.solvers.bytescheduler import solve_bytescheduler
 from deft_compile.solvers.deft import solve_deft
+from deft_compile.solvers.dlcp import solve_dlcp
 from deft_compile.solvers.dssync import dssync_partition, solve_dssync
 from deft_compile.solvers.knapsack import knapsack_01, knapsack_time
 from deft_compile.solvers.usbyte import solve_usbyte
@@ -23,6 +24,7 @@ SOLVERS: dict[str, Callable[..., Plan]] = {
     "usbyte": solve_usbyte,
     "deft": solve_deft,
     "dssync": solve_dssync,
+    "dlcp": solve_dlcp,
 }
 POLICIES: tuple[str, ...] = tuple(SOLVERS)
 
@@ -37,4 +39,4 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
 
 
 __all__ = ["POLICIES", "SOLVERS", "dssync_partition", "knapsack_01", "knapsack_time", "solve", "solve_bytescheduler",
-           "solve_deft", "solve_dssync", "solve_usbyte", "solve_wfbp"]
+           "solve_deft", "solve_dlcp", "solve_dssync", "solve_usbyte", "solve_wfbp"]

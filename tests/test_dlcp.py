@@ -1,0 +1,38 @@
+"""DLCP: prioritised chunks, deadline, bounded loss, error feedback (2 gloo workers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deft_compile.launcher import run_local_workers
+from workers import dlcp_run
+
+
+def test_without_a_deadline_it_equals_ddp():
+    for report in (r.value for r in run_local_workers(dlcp_run, 2, (None, 0.1, 5), timeout_s=240)):
+        for entry in report["steps"]:
+            assert entry["ddp_max_abs"] == 0.0, entry
+            assert entry["stats"] is None, "no deadline: nothing is chunked or dropped"
+
+
+@pytest.mark.parametrize("max_loss, must_drop", [(0.05, False), (0.5, True)])
+def test_deadline_drops_within_the_bound_and_the_residual_is_exact(max_loss, must_drop):
+    """A tight bound may forbid any drop (then the deadline is missed rather than the bound); a loose one drops."""
+    results = [r.value for r in run_local_workers(dlcp_run, 2, (0.5, max_loss, 6), timeout_s=240)]
+    report = results[0]
+    assert 0 < report["budget"] < report["chunks"], "the deadline must force drops for this test to mean anything"
+    dropped_something = False
+    for rank_report in results:
+        for entry in rank_report["steps"]:
+            sent, dropped_fraction = entry["stats"]
+            assert sent >= report["budget"]
+            assert dropped_fraction <= max_loss + 1e-12, entry
+            dropped_something |= dropped_fraction > 0
+            assert entry["conservation_error"] == 0.0, "applied average + residuals must equal the local gradients"
+            assert entry["replicas_equal"], "every rank must drop the same chunks"
+    if must_drop:
+        assert dropped_something
+    for rank_report in results:
+        assert rank_report["had_residual"] and rank_report["carry_after_flush"] == [], "flush() applies the residual"
+        assert rank_report["replicas_equal_after_flush"]
+    assert [e["stats"] for e in results[0]["steps"]] == [e["stats"] for e in results[1]["steps"]], "same decision on every rank"
