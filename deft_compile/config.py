@@ -34,6 +34,10 @@ class DeftConfig:
             cost of delays and update periods while training and re-plans more
             conservatively when it is too high (``policy="deft"`` only; on by
             default; ``PreserverConfig(enabled=False)`` turns it off).
+        always_profile: measure the step on the first call even for policies
+            whose plan needs no times (``wfbp``, ``dssync``), so ``step.profile``
+            and the plan's predicted iteration time are real numbers. Without
+            it those policies skip the measurement and predict 0 ms.
         links: extra communication channels besides the process group, e.g.
             ``("gloo:eth1",)`` or ``("gloo",)`` under NCCL (see
             ``deft_compile.links``). The profiler measures each; DeFT assigns
@@ -48,6 +52,7 @@ class DeftConfig:
     max_cached_graphs: int = 8
     plan_options: dict[str, Any] = field(default_factory=dict)
     links: tuple[str, ...] = ()
+    always_profile: bool = False
     preserver: PreserverConfig = field(default_factory=PreserverConfig)
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ Compute is measured on the captured step itself: the graph runs node by node
 under an ``fx.Interpreter`` on *copies* of the parameters, buffers, optimizer
 state and inputs (the live model is never touched, and the random-number state
 is restored afterwards so training draws the same numbers it would have),
-``warmup`` times and then ``repeats`` times; each node's median time is
+``warmup`` times and then ``repeats`` times; each node's fastest time is
 attributed to a parameter:
 
 * forward nodes to the parameter whose first use most recently started (its
@@ -59,7 +59,11 @@ class _TimingInterpreter(fx.Interpreter):
 def measure_node_times(
     captured: CapturedStep, inputs: Sequence[torch.Tensor], *, warmup: int = 1, repeats: int = 3
 ) -> dict[fx.Node, float]:
-    """Median milliseconds of every node of the captured graph, run on copies of ``inputs``."""
+    """Milliseconds of every node of the captured graph (the minimum over ``repeats`` runs on copies of ``inputs``).
+
+    The minimum, not the median: on a shared machine a busy moment only ever
+    makes a node slower, and one skewed profile would bias the whole plan.
+    """
     rng = torch.get_rng_state()
     interpreter = _TimingInterpreter(captured.graph_module)
     try:
@@ -71,7 +75,7 @@ def measure_node_times(
                 interpreter.run(*copies)
     finally:
         torch.set_rng_state(rng)
-    return {node: statistics.median(samples) for node, samples in interpreter.times.items()}
+    return {node: min(samples) for node, samples in interpreter.times.items()}
 
 
 def attribute_times(

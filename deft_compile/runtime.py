@@ -357,7 +357,7 @@ class CompiledStep:
         index = ProfileIndex.of(annotation)
         if self.plan is None:
             if self.profile is None:
-                if self.policy in _STATIC_POLICIES:
+                if self.policy in _STATIC_POLICIES and not self.config.always_profile:
                     links = [LinkCost(name, 0.0, 0.0) for name, _ in self._links]
                     self.profile = static_profile(captured, index, links, self.world_size)
                 else:
