@@ -110,8 +110,8 @@ def _drop_spec(plan: Plan, item, index: ProfileIndex, element_bytes: int) -> Dro
     for s in item.slices:
         layers.extend([index.layer[index.ready[s.param]]] * s.count)
     ranks = tuple(min(layers[start : start + chunk_numel]) for start in range(0, len(layers), chunk_numel))
-    return DropSpec(chunk_numel=chunk_numel, budget=int(options["chunk_budget"]), max_loss=float(options["max_loss"]),
-                    chunk_rank=ranks)
+    return DropSpec(chunk_numel=chunk_numel, budget=int(options["item_budgets"][item.id]),
+                    max_loss=float(options["max_loss"]), chunk_rank=ranks)
 
 
 def scheduled_items(

@@ -27,7 +27,7 @@ from deft_compile.artifacts import (
 )
 from deft_compile.plan import LinkCost, ParamProfile, Plan, Profile
 from deft_compile.simulator import simulate
-from deft_compile.solvers import POLICIES, solve
+from deft_compile.solvers import POLICIES, SCHEDULING_POLICIES, solve
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -208,13 +208,13 @@ def test_explain_prints_every_policy(tmp_path, capsys):
                  "--json", str(tmp_path / "summary.json")]) == 0
     out = capsys.readouterr().out
     assert "MODELLED, not measured" in out
-    for policy in POLICIES:
+    for policy in SCHEDULING_POLICIES:
         assert re.search(rf"^{policy}\s+\d+\.\d+\s+\d+\.\d+x", out, re.M), policy
         assert f"== {policy} ==" in out and f"policy={policy}" in out
         assert (tmp_path / policy / "plan.json").exists()
         assert (tmp_path / policy / "timeline_simulated.png").read_bytes()[:8] == PNG_MAGIC
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [r["policy"] for r in summary["results"]] == list(POLICIES)
+    assert [r["policy"] for r in summary["results"]] == list(SCHEDULING_POLICIES)
     assert summary["results"][0]["speedup_vs_wfbp"] == 1.0
 
 

@@ -17,7 +17,7 @@ import torch
 
 from deft_compile.launcher import run_local_workers
 from models import CASES
-from workers import checkpoint_run, compare_deft_with_delayed_reference, measured_deft_run
+from workers import check_entry, checkpoint_run, compare_deft_with_delayed_reference, measured_deft_run
 
 STEPS = 6
 
@@ -29,12 +29,7 @@ def delayed_report(request):
 
 
 def _check(entry, exact, where):
-    assert entry["missing"] == [], f"{where}: tensors on one side only: {entry['missing']}"
-    assert entry["compared"] > 0
-    if exact:
-        assert entry["max_abs"] == 0.0, f"{where}: worst {entry['worst']} {entry['max_abs']}"
-    else:
-        assert entry["max_rel"] <= 1e-5, f"{where}: worst {entry['worst']} {entry['max_rel']}"
+    check_entry(entry, exact, where, tolerance=1e-5)
 
 
 def test_plan_delays_parameters(delayed_report):

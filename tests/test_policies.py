@@ -13,7 +13,7 @@ import pytest
 
 from deft_compile.launcher import run_local_workers
 from models import CASES
-from workers import compare_policy_with_ddp
+from workers import check_entry, compare_policy_with_ddp
 
 STEPS = 6
 POLICIES = ["bytescheduler", "usbyte", "deft-sync"]
@@ -27,12 +27,7 @@ def policy_report(request):
 
 
 def _check(entry, exact, where):
-    assert entry["missing"] == [], f"{where}: tensors on one side only: {entry['missing']}"
-    assert entry["compared"] > 0
-    if exact:
-        assert entry["max_abs"] == 0.0, f"{where}: worst {entry['worst']} {entry['max_abs']}"
-    else:
-        assert entry["max_rel"] <= 1e-6, f"{where}: worst {entry['worst']} {entry['max_rel']}"
+    check_entry(entry, exact, where, tolerance=1e-6)
 
 
 def test_equals_ddp_every_step_and_after_flush(policy_report):

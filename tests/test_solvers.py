@@ -12,7 +12,7 @@ import pytest
 from deft_compile import cli_simulate
 from deft_compile.plan import LinkCost, ParamProfile, Plan, Profile
 from deft_compile.simulator import coverage_rate, simulate
-from deft_compile.solvers import POLICIES, solve
+from deft_compile.solvers import POLICIES, SCHEDULING_POLICIES, solve
 from deft_compile.solvers.deft import link_shares
 from deft_compile.zoo_profiles import build_profile, model_summary
 
@@ -208,7 +208,7 @@ def test_zoo_profiles_have_the_exact_parameter_counts(model: str, params: int) -
 @pytest.mark.parametrize("model", ["resnet101", "vgg19", "gpt2"])
 def test_deft_beats_the_baselines_on_the_paper_profiles(model: str) -> None:
     profile = build_profile(model, gpus=16)
-    times = {p: solve(profile, p).predicted_iteration_ms for p in POLICIES}
+    times = {p: solve(profile, p).predicted_iteration_ms for p in SCHEDULING_POLICIES}
     assert times["deft"] < min(times["bytescheduler"], times["usbyte"], times["wfbp"])
 
 
@@ -225,11 +225,11 @@ def test_cli_prints_the_four_policies_and_writes_json(tmp_path, capsys) -> None:
     assert run_cli(["simulate", "--model", "gpt2", "--gpus", "16", "--json", str(out),
                     "--trace-dir", str(tmp_path / "traces")]) == 0
     text = capsys.readouterr().out
-    for policy in POLICIES:
+    for policy in SCHEDULING_POLICIES:
         assert f"\n{policy} " in text
     data = json.loads(out.read_text())
     rows = {r["policy"]: r for r in data["results"]}
-    assert set(rows) == set(POLICIES)
+    assert set(rows) == set(SCHEDULING_POLICIES)
     assert rows["wfbp"]["speedup_vs_wfbp"] == 1.0
     assert rows["deft"]["iteration_ms"] <= rows["wfbp"]["iteration_ms"]
     assert len(list((tmp_path / "traces").glob("*.trace.json"))) == 4

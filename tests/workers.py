@@ -327,6 +327,35 @@ class PlanReference:
         self.optimizer.step()
 
 
+def _lockstep_with_reference(step, deft, ref, loss_fn, batches, rank: int, world_size: int):
+    """Run deft and the eager PlanReference of its plan side by side (same data, same RNG per step);
+    returns the per-step comparison and the reference."""
+    (deft_model, deft_optimizer), (ref_model, ref_optimizer) = deft, ref
+    reference = None
+    report = []
+    for t, (inputs, targets) in enumerate(batches):
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        if reference is None:  # the plan exists once the first step ran
+            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size)
+        torch.manual_seed(100 * rank + t)
+        reference.step(inputs, targets)
+        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
+        entry.update(step=t, pending=len(step.pending))
+        report.append(entry)
+    return report, reference
+
+
+def check_entry(entry: dict, exact: bool, where: str, tolerance: float = 1e-6) -> None:
+    """Assert a comparison entry: same tensors on both sides; bit-identical, or within ``tolerance`` relative."""
+    assert entry["missing"] == [], f"{where}: tensors on one side only: {entry['missing']}"
+    assert entry["compared"] > 0
+    if exact:
+        assert entry["max_abs"] == 0.0, f"{where}: worst {entry['worst']} {entry['max_abs']}"
+    else:
+        assert entry["max_rel"] <= tolerance, f"{where}: worst {entry['worst']} {entry['max_rel']}"
+
+
 def plan_schedule_by_name(step) -> dict[str, tuple[int, int, int]]:
     return {step.profile.params[index].name: value for index, value in step.plan.param_schedule().items()}
 
@@ -347,18 +376,9 @@ def compare_deft_with_delayed_reference(
                                 links=1 + len(links))
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(plan_options=POLICY_OPTIONS[options], links=links))
-    reference = None
-    report = []
-    for t, (inputs, targets) in enumerate(batches):
-        torch.manual_seed(100 * rank + t)
-        step(inputs, targets)
-        if reference is None:
-            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size)
-        torch.manual_seed(100 * rank + t)
-        reference.step(inputs, targets)
-        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
-        entry.update(step=t, pending=len(step.pending))
-        report.append(entry)
+    report, reference = _lockstep_with_reference(
+        step, (deft_model, deft_optimizer), (ref_model, ref_optimizer), loss_fn, batches, rank, world_size
+    )
     steady_collectives = _graph_collectives(step)
     steady_code = step.graph.graph_module.code
     step.flush()
@@ -412,19 +432,12 @@ def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict
     ref_optimizer, deft_optimizer = make_optimizer(ref_model), make_optimizer(deft_model)
     data = torch.Generator().manual_seed(1234 + rank)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft")
-    reference = None
-    worst = 0.0
-    for t in range(steps):
-        inputs, targets = make_batch(data)
-        torch.manual_seed(100 * rank + t)
-        step(inputs, targets)
-        if reference is None:
-            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size)
-        torch.manual_seed(100 * rank + t)
-        reference.step(inputs, targets)
-        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
-        assert entry["missing"] == [], entry
-        worst = max(worst, entry["max_abs"])
+    batches = [make_batch(data) for _ in range(steps)]
+    report, _reference = _lockstep_with_reference(
+        step, (deft_model, deft_optimizer), (ref_model, ref_optimizer), loss_fn, batches, rank, world_size
+    )
+    assert all(entry["missing"] == [] for entry in report), report
+    worst = max(entry["max_abs"] for entry in report)
     return {"profile": step.profile.to_json(), "plan_hash": step.plan.hash(), "worst_abs": worst,
             "table": step.plan.table(step.profile)}
 

@@ -27,6 +27,8 @@ SOLVERS: dict[str, Callable[..., Plan]] = {
     "dlcp": solve_dlcp,
 }
 POLICIES: tuple[str, ...] = tuple(SOLVERS)
+# The communication schedulers the papers compare; DS-Sync and DLCP change what is averaged.
+SCHEDULING_POLICIES: tuple[str, ...] = ("wfbp", "bytescheduler", "usbyte", "deft")
 
 
 def solve(profile: Profile, policy: str, **options: Any) -> Plan:
@@ -38,5 +40,5 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
     return solver(profile, **options)
 
 
-__all__ = ["POLICIES", "SOLVERS", "dssync_partition", "knapsack_01", "knapsack_time", "solve", "solve_bytescheduler",
+__all__ = ["POLICIES", "SCHEDULING_POLICIES", "SOLVERS", "dssync_partition", "knapsack_01", "knapsack_time", "solve", "solve_bytescheduler",
            "solve_deft", "solve_dlcp", "solve_dssync", "solve_usbyte", "solve_wfbp"]

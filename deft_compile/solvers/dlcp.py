@@ -50,11 +50,16 @@ def solve_dlcp(
         raise ValueError("max_loss must be in [0, 1)")
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
-    if len({p.dtype for p in profile.params}) != 1:
-        raise ValueError("dlcp chunks one flat gradient buffer: every parameter must have the same dtype")
-    everything = [list(range(len(profile.params)))]
+    # One flat buffer per dtype (a collective carries one dtype); the deadline's chunk budget is
+    # shared between them in proportion to their bytes.
+    groups: dict[str, list[int]] = {}
+    for index, param in enumerate(profile.params):
+        groups.setdefault(param.dtype, []).append(index)
+    everything = list(groups.values())
     total_chunks = math.ceil(profile.total_bytes / chunk_bytes)
+    budget = chunk_budget(profile, deadline_ms, chunk_bytes, total_chunks)
+    budgets = [budget * sum(profile.params[i].nbytes for i in group) // profile.total_bytes for group in everything]
     options = {"deadline_ms": deadline_ms, "max_loss": float(max_loss), "chunk_bytes": int(chunk_bytes),
-               "chunk_budget": chunk_budget(profile, deadline_ms, chunk_bytes, total_chunks)}
+               "chunk_budget": budget, "item_budgets": budgets}
     return finish(profile, "dlcp", wfbp_items(profile, everything), options,
                   {"chunks": total_chunks, "note": "predicted without dropping (an upper bound)"})
