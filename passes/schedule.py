@@ -293,7 +293,9 @@ class _ScheduleRewriter:
             for param, parts in self._split(item, averaged).items():
                 self._pieces.setdefault(param, []).extend(parts)
         for param in item.params:
-            self._need_points[param] = self._first_forward_use(param) if move else point
+            # Per parameter, not per item: a parameter cut between items (e.g. across two links) is
+            # assembled after all of its items' waits, which all sit before its own first update.
+            self._need_points[param] = self._first_forward_use(param) if move else self._first_update([param])
             self._move[param] = move
 
     def _this_step(self, carried: dict[str, fx.Node]) -> None:

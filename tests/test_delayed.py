@@ -116,6 +116,7 @@ def test_second_link_carries_bucket_shares():
     )
     per_rank = [r.value for r in results]
     assert per_rank[0]["links_used"] == [0, 1]
+    assert per_rank[0]["split_params"], "some parameter must be cut between the two links"
     assert len(per_rank[0]["groups_in_graph"]) == 2, per_rank[0]["groups_in_graph"]
     for rank, report in enumerate(per_rank):
         for entry in report["steps"]:

@@ -387,6 +387,7 @@ def compare_deft_with_delayed_reference(
     return {"steps": report, "final": final, "delayed": sorted(_delayed_names(step)),
             "periods": sorted({item.period for item in step.plan.items}),
             "links_used": sorted({item.link for item in step.plan.items}),
+            "split_params": sorted(p for p, items in step.plan.items_of_param().items() if len({i.link for i in items}) > 1),
             "groups_in_graph": sorted(set(re.findall(r"all_reduce\.default\([^,]+, 'sum', '([^']+)'", steady_code))),
             "final_params": {n: p.detach().clone() for n, p in deft_model.named_parameters()},
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
