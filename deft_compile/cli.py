@@ -7,14 +7,21 @@ import sys
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="train a small model with torch DDP and deft_compile on 2 local workers")
-    parser.add_argument("--steps", type=int, default=60, help="training steps per run (default 60)")
-    parser.add_argument("--batch", type=int, default=64, help="batch size per worker (default 64)")
+    parser = subparsers.add_parser(
+        "demo", help="torch DDP and deft_compile side by side on 2 local workers (shaped link when root and tc)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
+    parser.add_argument("--batch", type=int, default=None, help="batch size per worker (default 64)")
+    parser.add_argument("--bandwidth", default="3gbit",
+                        help="tc rate of the namespace's loopback, or 'none' for unshaped (default 3gbit)")
+    parser.add_argument("--out", default="deft-demo", help="folder for the timeline PNGs and results.json")
+    parser.add_argument("--no-progress", action="store_true")
 
     def run(args: argparse.Namespace) -> int:
+        from deft_compile.bench import parse_rate
         from deft_compile.demo import run_demo
 
-        return run_demo(steps=args.steps, batch=args.batch)
+        return run_demo(steps=args.steps, batch=args.batch, bandwidth=parse_rate(args.bandwidth), out=args.out,
+                        progress=not args.no_progress)
 
     parser.set_defaults(func=run)
 
@@ -29,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         cli_simulate = None
     if cli_simulate is not None:
         cli_simulate.add_parser(subparsers)
-    from deft_compile import cli_explain
+    from deft_compile import bench, cli_explain
 
     cli_explain.add_parser(subparsers)
+    bench.add_parser(subparsers)
     return parser
 
 
