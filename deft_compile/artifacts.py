@@ -413,7 +413,12 @@ def structured_trace_enabled() -> bool:
         from torch._logging._internal import trace_log
     except ImportError:  # pragma: no cover - very old torch
         return False
-    return bool(trace_log.handlers)
+    # torch adds a LazyTraceHandler with no directory whenever its logging initialises (e.g. after
+    # torch.compile); it writes nothing, so only a handler with somewhere to write counts.
+    return any(
+        not (type(handler).__name__ == "LazyTraceHandler" and getattr(handler, "root_dir", None) is None)
+        for handler in trace_log.handlers
+    )
 
 
 def log_structured(name: str, payload: Any | Callable[[], Any], *, encoding: str | None = None) -> bool:
