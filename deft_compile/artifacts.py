@@ -413,10 +413,11 @@ def structured_trace_enabled() -> bool:
         from torch._logging._internal import trace_log
     except ImportError:  # pragma: no cover - very old torch
         return False
-    # torch adds a LazyTraceHandler with no directory whenever its logging initialises (e.g. after
-    # torch.compile); it writes nothing, so only a handler with somewhere to write counts.
+    # Only torch's own trace handler with a directory (TORCH_TRACE=dir) writes structured records;
+    # torch also adds it without a directory when its logging initialises, and test runners attach
+    # capture handlers to every logger, neither of which means tracing is on.
     return any(
-        not (type(handler).__name__ == "LazyTraceHandler" and getattr(handler, "root_dir", None) is None)
+        type(handler).__name__ == "LazyTraceHandler" and getattr(handler, "root_dir", None) is not None
         for handler in trace_log.handlers
     )
 

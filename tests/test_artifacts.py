@@ -102,12 +102,12 @@ def test_png_is_skipped_without_matplotlib(tmp_path, monkeypatch, caplog):
     assert "matplotlib" in caplog.text
 
 
-def _mlp_step(dump_dir=None):
+def _mlp_step(dump_dir=None, policy="deft"):
     from deft_compile import deft_compile
     from deft_compile.presets import get_preset
 
     model, optimizer, loss_fn, args, kwargs = get_preset("mlp").make(batch_size=16)
-    return deft_compile(model, optimizer, loss_fn, dump_dir=dump_dir), args, kwargs
+    return deft_compile(model, optimizer, loss_fn, dump_dir=dump_dir, policy=policy), args, kwargs
 
 
 def test_graph_dumps_describe_the_graph_that_ran(tmp_path):
@@ -140,7 +140,8 @@ def test_measured_timeline_single_process(tmp_path):
 
 
 def _measured_worker(rank: int, world_size: int, out: str) -> list[str]:
-    step, args, kwargs = _mlp_step()
+    # wfbp: every step communicates, and no later step retraces (a deft plan with an update period would).
+    step, args, kwargs = _mlp_step(policy="wfbp")
     step(*args, **kwargs)
     step(*args, **kwargs)
     path = measured_timeline(lambda: step(*args, **kwargs), Path(out) / f"rank{rank}.json", gantt=False)
@@ -194,7 +195,9 @@ def test_torch_trace_captures_plan_profile_and_passes(tmp_path):
 
 
 def test_log_structured_is_a_no_op_without_torch_trace():
-    assert not artifacts.structured_trace_enabled(), "run the test suite without TORCH_TRACE set"
+    from torch._logging._internal import trace_log
+
+    assert not artifacts.structured_trace_enabled(), [type(h).__name__ for h in trace_log.handlers]
     called = []
     assert artifacts.log_structured("x", lambda: called.append(1) or {}) is False
     assert not called
