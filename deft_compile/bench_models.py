@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deft_compile.presets import PRESETS, GPT2Style, Preset, _adamw, _images, _sgd, _tokens, get_preset
+from deft_compile.presets import PRESETS, GPT2Style, Preset, VGGStyle, _adamw, _images, _sgd, _tokens, get_preset
 
 # --------------------------------------------------------------------------- VGG family
 
@@ -54,29 +54,12 @@ _VGG_LAYOUT = {  # convolutions per stage, as in Simonyan & Zisserman (configura
 }
 
 
-class VGG(nn.Module):
+class VGG(VGGStyle):
     """VGG-11/16/19 layout for 32x32 inputs: 5 conv stages with max-pool, then 3 FC layers."""
 
     def __init__(self, layout: tuple[int, ...], widths: tuple[int, ...] = (16, 32, 64, 128, 128),
                  hidden: int = 1024, classes: int = 10, image: int = 32) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        channels = 3
-        for convs, width in zip(layout, widths):
-            for _ in range(convs):
-                layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
-                channels = width
-            layers.append(nn.MaxPool2d(2))
-        self.features = nn.Sequential(*layers)
-        side = max(1, image // 2 ** len(layout))
-        self.classifier = nn.Sequential(
-            nn.Linear(channels * side * side, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
-            nn.Linear(hidden, classes),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x).flatten(1))
+        super().__init__(widths[: len(layout)], layout, hidden, classes, image)
 
 
 # --------------------------------------------------------------------------- ResNet family

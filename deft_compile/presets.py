@@ -45,18 +45,21 @@ class VGGStyle(nn.Module):
     the forward.
     """
 
-    def __init__(self, widths: tuple[int, ...] = (32, 64, 128, 128), convs_per_stage: int = 2,
-                 hidden: int = 512, classes: int = 10) -> None:
+    def __init__(self, widths: tuple[int, ...] = (32, 64, 128, 128), convs_per_stage: int | tuple[int, ...] = 2,
+                 hidden: int = 512, classes: int = 10, image: int = 32) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         channels = 3
-        for width in widths:
-            for _ in range(convs_per_stage):
+        convs = (convs_per_stage,) * len(widths) if isinstance(convs_per_stage, int) else tuple(convs_per_stage)
+        if len(convs) != len(widths):
+            raise ValueError("convs_per_stage needs one count per stage width")
+        for width, count in zip(widths, convs):
+            for _ in range(count):
                 layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
                 channels = width
             layers.append(nn.MaxPool2d(2))
         self.features = nn.Sequential(*layers)
-        side = 32 // 2 ** len(widths)
+        side = max(1, image // 2 ** len(widths))
         self.classifier = nn.Sequential(
             nn.Linear(channels * side * side, hidden), nn.ReLU(),
             nn.Linear(hidden, hidden), nn.ReLU(),

@@ -60,25 +60,9 @@ def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir
         ddp_optimizer.step()
         torch.manual_seed(100 * rank + t)
         deft_loss = step(inputs, targets)
-        expected = _named_state(ddp_model, ddp_optimizer)
-        actual = _named_state(deft_model, deft_optimizer)
-        missing = sorted(set(expected) ^ set(actual))
-        worst_abs, worst_rel, worst_name = 0.0, 0.0, ""
-        for name in expected.keys() & actual.keys():
-            absolute, relative = _max_errors(actual[name], expected[name])
-            if relative > worst_rel or (relative == worst_rel and absolute > worst_abs):
-                worst_abs, worst_rel, worst_name = absolute, relative, name
-        report.append(
-            {
-                "step": t,
-                "loss_diff": abs(ddp_loss.item() - deft_loss.item()),
-                "max_abs": worst_abs,
-                "max_rel": worst_rel,
-                "worst": worst_name,
-                "missing": missing,
-                "compared": len(expected.keys() & actual.keys()),
-            }
-        )
+        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+        entry.update(step=t, loss_diff=abs(ddp_loss.item() - deft_loss.item()))
+        report.append(entry)
     return {
         "steps": report,
         "buckets": len(step.graph.items),
@@ -147,15 +131,10 @@ def compare_with_eager(case: str, steps: int, batches=None, optimizer_override=N
         eager_optimizer.step()
         torch.manual_seed(t)
         deft_loss = step(inputs, targets)
-        expected = _named_state(eager_model, eager_optimizer)
-        actual = _named_state(deft_model, deft_optimizer)
-        worst_abs, worst_rel = 0.0, 0.0
-        for name in expected.keys() & actual.keys():
-            absolute, relative = _max_errors(actual[name], expected[name])
-            worst_abs, worst_rel = max(worst_abs, absolute), max(worst_rel, relative)
+        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(eager_model, eager_optimizer))
         report.append(
-            {"max_abs": worst_abs, "max_rel": worst_rel, "loss_diff": abs(eager_loss.item() - deft_loss.item()),
-             "same_keys": set(expected) == set(actual), "traces": step.trace_count}
+            {"max_abs": entry["max_abs"], "max_rel": entry["max_rel"], "same_keys": not entry["missing"],
+             "loss_diff": abs(eager_loss.item() - deft_loss.item()), "traces": step.trace_count}
         )
     return report
 
