@@ -136,6 +136,27 @@ def test_deft_uses_a_period_when_coverage_stays_above_one() -> None:
     assert plan.metadata["period"] == min(k for k in range(2, 5) if 32 / k <= 16 / 1.1 or k == 4)
 
 
+def test_kept_synchronous_buckets_are_never_delayed_or_periodic() -> None:
+    """``keep_synchronous`` (the Preserver's pinning) removes named buckets from both knapsacks and from
+    the period choice; the solver still delays or periodises the others when that pays."""
+    params = [ParamProfile(f"p{i}", 1_000_000, "float32", 1.0, 1.0, 0.0, layer=7 - i) for i in range(8)]
+    profile = Profile(params, [LinkCost("l", 0.1, 1e-6)])
+    options = {"first_bucket_bytes": 4_000_000, "bucket_cap_bytes": 4_000_000}
+    free = solve(profile, "deft", max_period=4, **options)
+    touched = [i for i in free.items if i.delay or i.period > 1]
+    assert touched, "the unconstrained plan delays or periodises"
+    pinned_names = [params[s.param].name for s in touched[0].slices] + ["p7*"]
+    pinned = solve(profile, "deft", max_period=4, keep_synchronous=pinned_names, **options)
+    assert pinned.options["keep_synchronous"] == sorted(pinned_names)
+    for item in pinned.items:
+        names = {params[s.param].name for s in item.slices}
+        if names & set(pinned_names) or "p7" in names:
+            assert item.delay == 0 and item.period == 1, item
+    assert any(i.delay or i.period > 1 for i in pinned.items), "the other buckets still get delays / periods"
+    everything = solve(profile, "deft", keep_synchronous=["p*"], **options)
+    assert all(i.delay == 0 and i.period == 1 for i in everything.items)
+
+
 def test_deft_splits_large_buckets_over_two_links() -> None:
     params = [ParamProfile(f"p{i}", 1_000_000, "float32", 1.0, 2.0, 0.0, layer=3 - i) for i in range(4)]
     links = [LinkCost("fast", 0.05, 1e-6), LinkCost("slow", 0.1, 2e-6)]

@@ -35,6 +35,7 @@ capacity); ``units`` defaults to 1024.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 
@@ -143,12 +144,16 @@ class _Candidate:
 
 
 def _period_config(costs: np.ndarray, share_loads: np.ndarray, capacity: float, margin: float,
-                   max_period: int) -> tuple[np.ndarray, np.ndarray]:
-    """Smallest K (and which buckets) that brings the busiest link under capacity/(1+margin)."""
+                   max_period: int, pinned: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Smallest K (and which buckets) that brings the busiest link under capacity/(1+margin).
+
+    ``pinned`` buckets (kept synchronous) never get a period; their load stays whole.
+    """
     n = len(costs)
     target = capacity / (1.0 + margin)
-    by_size = sorted(range(n), key=lambda i: (-costs[i], i))
-    chosen_k, chosen_set = max_period, list(range(n))
+    movable = [i for i in range(n) if pinned is None or not pinned[i]]
+    by_size = sorted(movable, key=lambda i: (-costs[i], i))
+    chosen_k, chosen_set = max_period, list(by_size)
     total = share_loads.sum(axis=0)
     # load_m = total - (1 - 1/k) * (loads of the m largest buckets), m = 0..n
     largest_first = np.vstack([np.zeros(share_loads.shape[1]),
@@ -180,6 +185,7 @@ def solve_deft(
     max_period: int = 4,
     period_margin: float = 0.1,
     staleness_penalty_ms: float = 0.0,
+    keep_synchronous: list[str] | tuple[str, ...] = (),
     links: list[int] | None = None,
     units: int = DEFAULT_UNITS,
     suffix_candidates: int = 10,
@@ -194,6 +200,11 @@ def solve_deft(
         period_margin: safety margin on the capacity when choosing K.
         staleness_penalty_ms: subtracted from each delayed bucket's value, so a
             bucket is delayed only if it hides more than this.
+        keep_synchronous: parameter names (``fnmatch`` patterns) whose buckets
+            stay exactly as in DDP: never delayed, never periodic. The
+            Preserver fills it with the buckets whose staleness error it
+            measured to be too high; users may name staleness-sensitive
+            parameters (e.g. a tied embedding) up front.
         links: link indices DeFT may use (default: all links of the profile).
         units: knapsack resolution, capacity/units ms.
         suffix_candidates: how many suffix starts to try.
@@ -203,6 +214,7 @@ def solve_deft(
                "max_staleness": int(max_staleness), "allow_period": bool(allow_period),
                "max_period": int(max_period), "period_margin": float(period_margin),
                "staleness_penalty_ms": float(staleness_penalty_ms),
+               "keep_synchronous": sorted({str(name) for name in keep_synchronous}),
                "links": None if links is None else [int(l) for l in links], "units": int(units),
                "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance)}
     if max_staleness not in (0, 1):
@@ -231,6 +243,9 @@ def solve_deft(
             share_loads[b, link] = profile.links[link].cost(count * element_bytes)
         costs[b] = share_loads[b].max()
         bucket_bytes[b] = numel * element_bytes
+    pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern)
+                           for p in bucket for pattern in options["keep_synchronous"])
+                       for bucket in buckets], dtype=bool)
     group = np.array([b for b, _, _ in share_items], dtype=np.int64)
     same_as_wfbp = len(share_items) == n and all(link == 0 for _, link, _ in share_items)
     if same_as_wfbp:
@@ -245,7 +260,7 @@ def solve_deft(
     coverage = float(share_loads.sum(axis=0).max() / capacity) if capacity > 0 else math.inf
     configs = [(np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))]
     if allow_period and max_period >= 2 and coverage > 1.0 / (1.0 + period_margin):
-        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period))
+        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period, pinned))
 
     if n <= suffix_candidates:
         suffixes = list(range(n + 1))
@@ -254,7 +269,7 @@ def solve_deft(
     candidates: list[_Candidate] = []
     for period, offset in configs:
         amortised = costs / period
-        values = [float(c) - staleness_penalty_ms for c in amortised]
+        values = [0.0 if pinned[i] else float(c) - staleness_penalty_ms for i, c in enumerate(amortised)]
         f_weights, f_capacity, _ = discretise(amortised, t_f, units)
         forward_of_suffix = suffix_knapsacks(f_weights, values, f_capacity)
         for k in suffixes:
@@ -277,7 +292,7 @@ def solve_deft(
                 "period": int(best.period.max()), "delayed_buckets": int((best.kind != _SYNC).sum()),
                 "forward_knapsack": int((best.kind == _FWD).sum()),
                 "backward_knapsack": int((best.kind == _BWD_NEXT).sum()),
-                "periodic_buckets": int((best.period > 1).sum())}
+                "periodic_buckets": int((best.period > 1).sum()), "kept_synchronous": int(pinned.sum())}
     if same_as_wfbp:  # all synchronous on the WFBP layout, measured as simulate() would
         ones, zeros = np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         wfbp_ms = evaluator.iteration_ms(np.full(n, _SYNC), zeros, ones, zeros, np.arange(n),

@@ -1,0 +1,66 @@
+"""The same-batch staleness error (deft_compile.staleness): exact values, no side effects."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from deft_compile.staleness import same_batch_gradient_change
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.bn(self.fc(x))))
+
+
+def _state(model: nn.Module):
+    names = [n for n, _ in model.named_parameters()]
+    return names, [p.detach().clone() for p in model.parameters()], dict(model.named_buffers())
+
+
+def test_matches_autograd_at_both_weights_and_leaves_training_untouched():
+    torch.manual_seed(0)
+    model = Net().train()
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    names, before, buffers = _state(model)
+    after = [b + 0.1 * torch.randn_like(b) for b in before]
+    bn_stats = {k: v.clone() for k, v in buffers.items()}
+    rng = torch.get_rng_state()
+    change = same_batch_gradient_change(model, names, before, after, buffers, F.cross_entropy, (x, y), {}, [0, 1, 4])
+    assert torch.equal(torch.get_rng_state(), rng), "the training RNG stream is not consumed"
+    assert all(torch.equal(buffers[k], bn_stats[k]) for k in buffers), "BatchNorm running stats untouched"
+    assert all(p.grad is None for p in model.parameters())
+    assert sorted(change) == [0, 1, 4]
+
+    def reference(values):  # same dropout mask: same seed for both, as the function promises
+        clone = Net().train()
+        clone.load_state_dict({**dict(zip(names, values)), **{k: v.clone() for k, v in bn_stats.items()}})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0x5EED)
+            F.cross_entropy(clone(x), y).backward()
+            return [p.grad for p in clone.parameters()]
+
+    g_before, g_after = reference(before), reference(after)
+    for index in (0, 1, 4):
+        diff, norm = change[index]
+        assert abs(diff - float((g_after[index] - g_before[index]).double().square().sum())) < 1e-9
+        assert abs(norm - float(g_before[index].double().square().sum())) < 1e-9
+        assert diff > 0
+
+
+def test_no_update_means_no_error_even_with_dropout():
+    """Both passes draw the same dropout mask, so identical weights give exactly zero change."""
+    torch.manual_seed(1)
+    model = Net().train()
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    names, before, buffers = _state(model)
+    change = same_batch_gradient_change(model, names, before, before, buffers, F.cross_entropy, (x, y), {}, [0, 2])
+    assert all(diff == 0.0 and norm > 0 for diff, norm in change.values())
