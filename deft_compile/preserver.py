@@ -1,29 +1,36 @@
 """Preserver: watch what staleness and update periods cost while training, and back off.
 
 DeFT's delays (apply step t's averaged gradient at step t+1) and update periods
-(communicate every K steps) buy speed with convergence. DESIGN.md §4 measured
-the cost of delaying *everything*: +9 % validation loss after 300 steps. So a
-plan is checked while it trains, from two signals that are identical on every
-rank (so every rank takes the same decision without extra agreement):
+(communicate every K steps) buy speed with convergence. Measured here (docs/
+CONVERGENCE.md): on a small transformer under AdamW, one step of staleness on
+a single input-side bucket already costs several percent of validation loss,
+while on a CNN under SGD the same plans cost nothing measurable. So a plan is
+checked while it trains, from signals that are identical on every rank (so
+every rank takes the same decision without extra agreement):
 
-* **gradient drift** of each delayed item: ``‖ḡ_t − ḡ_{t−1}‖ / ‖ḡ_t‖`` of the
-  averaged gradients applied in two consecutive steps. A delayed update applies
-  ḡ_{t−1} where synchronous training would apply ḡ_t; the drift is the relative
-  error of that substitution. Its exponential moving average above
-  ``drift_threshold`` means staleness distorts the update.
+* **staleness error** of each stale item (delayed, or with a period K > 1):
+  ``‖g(w_{t+1}; B_t) − g(w_t; B_t)‖ / ‖g(w_t; B_t)‖`` on the *same* minibatch
+  (:mod:`deft_compile.staleness`), summed over ranks, times the item's mean
+  staleness in steps (``d + (K − 1)/2``). It is the relative error a stale
+  update makes beyond ordinary sampling noise. An item whose moving average
+  exceeds ``staleness_threshold`` is *pinned*: its parameters join the solver's
+  ``keep_synchronous`` list and the plan is re-solved, so the knapsack may
+  delay other, less sensitive buckets instead. This is DeFT's "move buckets
+  back to synchronous", bucket by bucket.
 * **loss** averaged over all ranks and over a window of ``check_every`` steps.
-  A window mean more than ``loss_tolerance`` above the best window so far,
-  ``patience`` times in a row, means training falls behind; one more than
-  ``divergence_factor`` times the best (or not finite) means it diverges, and
-  is acted on at once. Optionally
+  A window mean above the best window so far by more than ``loss_tolerance``
+  (relative) *and* ``loss_floor`` (absolute), ``patience`` times in a row,
+  means training falls behind; one above ``divergence_factor`` times the best
+  (or not finite) means it diverges and is acted on at once. Optionally
   (``probe_every``), a short synchronous reference window is run and its mean
   loss compared with the delayed window just before it.
 
-When a signal fires, the plan steps down a ladder and is re-solved: halve the
+A loss signal steps down a ladder of global options and re-solves: halve the
 largest update period (down to no period), then price staleness so only
 buckets that hide much more communication stay delayed, then fully synchronous
-(DDP). Pending gradients are flushed before the switch, so none is lost. Every
-decision is logged on the ``deft_compile`` logger and kept in ``history``.
+(DDP). Pending gradients are flushed before every switch, so none is lost.
+Every decision is logged on the ``deft_compile`` logger and kept in
+``history`` (and in ``CompiledStep.plan_history``).
 
 The decision logic here is pure Python; the runtime measures and applies it.
 """
@@ -45,13 +52,25 @@ class PreserverConfig:
 
     Attributes:
         enabled: turn the Preserver on or off.
-        check_every: steps per check window (loss mean and drift sample).
-        drift_threshold: EMA of a delayed item's relative gradient drift above
-            which delays are reduced.
-        drift_ema: smoothing of the drift EMA (weight of the old value).
+        check_every: steps per loss window.
+        staleness_every: steps between two staleness-error measurements (each
+            costs two eager forward/backward passes); 0 turns the signal off.
+            Two early measurements, at ``staleness_every // 5`` and twice
+            that, catch harm in the first steps.
+        staleness_threshold: median of an item's last ``staleness_window``
+            staleness errors (relative gradient error × mean staleness in
+            steps) above which the item is kept synchronous. The default 0.2
+            separates the two real tasks of docs/CONVERGENCE.md: medians of
+            0.02–0.09 where delays cost nothing (CNN, SGD) and 0.25–0.37 where
+            they cost 3–15 % of validation loss (transformer, AdamW).
+        staleness_window: measurements per decision; the median ignores a
+            single spike (a batch the model already fits has a tiny gradient
+            and a large relative error).
         loss_tolerance: relative excess of a window's mean loss over the best
             window mean (or over the synchronous probe window) that counts as
             harm.
+        loss_floor: absolute excess that must also be crossed, so noise near
+            zero loss is not taken for harm.
         patience: consecutive harmful loss windows before acting.
         divergence_factor: a window mean above this multiple of the best (or
             not finite) is acted on at once, before the model is ruined.
@@ -63,9 +82,11 @@ class PreserverConfig:
 
     enabled: bool = True
     check_every: int = 10
-    drift_threshold: float = 1.0
-    drift_ema: float = 0.8
+    staleness_every: int = 25
+    staleness_threshold: float = 0.2
+    staleness_window: int = 3
     loss_tolerance: float = 0.05
+    loss_floor: float = 0.02
     patience: int = 2
     divergence_factor: float = 2.0
     probe_every: int = 0
@@ -76,8 +97,10 @@ class PreserverConfig:
             raise ValueError("divergence_factor must be above 1")
         if self.check_every < 1 or self.probe_window < 1 or self.patience < 1:
             raise ValueError("check_every, probe_window and patience must be at least 1")
-        if not 0.0 <= self.drift_ema < 1.0:
-            raise ValueError("drift_ema must be in [0, 1)")
+        if self.staleness_every < 0:
+            raise ValueError("staleness_every must be >= 0 (0 turns the staleness error off)")
+        if self.staleness_window < 1:
+            raise ValueError("staleness_window must be at least 1")
 
 
 @dataclass
@@ -106,7 +129,9 @@ class Preserver:
     level: int = 0
 
     def __post_init__(self) -> None:
-        self._drift_ema: dict[int, float] = {}
+        self._errors: dict[tuple[str, ...], list[float]] = {}
+        self.pinned: set[str] = set()
+        self.staleness_log: list[tuple[int, dict[str, float]]] = []  # every measurement: (step, {names: error})
         self._best_loss: float | None = None
         self._harmful_windows = 0
         self._ladder = self._build_ladder()
@@ -133,7 +158,11 @@ class Preserver:
 
     @property
     def options(self) -> dict[str, Any]:
-        return dict(self._ladder[self.level][1])
+        """Solver options of the current level, with the pinned parameters kept synchronous."""
+        options = dict(self._ladder[self.level][1])
+        if self.pinned:
+            options["keep_synchronous"] = sorted(set(options.get("keep_synchronous", ())) | self.pinned)
+        return options
 
     @property
     def exhausted(self) -> bool:
@@ -143,11 +172,23 @@ class Preserver:
         if self.exhausted:
             return None
         self.level += 1
-        self._drift_ema.clear()
+        name = self._ladder[self.level][0]
+        return self._record(step, f"{reason}; re-planning: {name}", metrics)
+
+    def staleness_due(self, step: int) -> bool:
+        """Whether the staleness error is measured at (1-based) ``step``."""
+        every = self.config.staleness_every
+        if not every:
+            return False
+        early = max(1, every // 5)
+        return step % every == 0 or step in (early, 2 * early)
+
+    def _record(self, step: int, reason: str, metrics: dict[str, Any]) -> PreserverEvent:
+        self._errors.clear()
         self._best_loss = None
         self._harmful_windows = 0
-        name, options = self._ladder[self.level]
-        event = PreserverEvent(step=step, reason=f"{reason}; re-planning: {name}", metrics=metrics, options=options, level=self.level)
+        options = self.options
+        event = PreserverEvent(step=step, reason=reason, metrics=metrics, options=options, level=self.level)
         self.history.append(event)
         log.warning("Preserver at step %d: %s", step, event.reason)
         from deft_compile.artifacts import log_structured
@@ -156,18 +197,30 @@ class Preserver:
                                      "metrics": metrics})
         return event
 
+    def observe_staleness(self, step: int, errors: dict[tuple[str, ...], float]) -> PreserverEvent | None:
+        """Staleness errors of the stale items (keyed by their parameter names); may pin some of them."""
+        self.staleness_log.append((step, {"+".join(names): error for names, error in errors.items()}))
+        window = self.config.staleness_window
+        for names, error in errors.items():
+            self._errors[names] = (self._errors.get(names, []) + [error])[-window:]
+        medians = {names: statistics.median(values) for names, values in self._errors.items() if len(values) == window}
+        over = {names: e for names, e in medians.items() if e > self.config.staleness_threshold}
+        if not over or self.exhausted:
+            return None
+        self.pinned.update(name for names in over for name in names)
+        described = ", ".join(f"{'+'.join(names)} ({e:.2f})" for names, e in sorted(over.items(), key=lambda kv: -kv[1]))
+        metrics = {"staleness_error_median": {"+".join(k): v for k, v in medians.items()}}
+        return self._record(
+            step,
+            f"median staleness error above {self.config.staleness_threshold:g}: {described}; re-planning with "
+            f"{len(self.pinned)} parameter(s) kept synchronous",
+            metrics,
+        )
+
     # -- signals --------------------------------------------------------------
-    def observe_window(self, step: int, mean_loss: float, drifts: dict[int, float]) -> PreserverEvent | None:
-        """One check window ended: its all-rank mean loss and per-item drifts. Returns a decision or None."""
-        for item, drift in drifts.items():
-            previous = self._drift_ema.get(item)
-            self._drift_ema[item] = drift if previous is None else self.config.drift_ema * previous + (1 - self.config.drift_ema) * drift
-        metrics: dict[str, Any] = {"mean_loss": mean_loss, "drift_ema": dict(self._drift_ema)}
-        worst = max(self._drift_ema.items(), key=lambda kv: kv[1], default=None)
-        if worst is not None and worst[1] > self.config.drift_threshold:
-            return self._step_down(
-                step, f"delayed item {worst[0]} drifts {worst[1]:.2f} > {self.config.drift_threshold:g} per step", metrics
-            )
+    def observe_window(self, step: int, mean_loss: float) -> PreserverEvent | None:
+        """One loss window ended with this all-rank mean loss. Returns a decision or None."""
+        metrics: dict[str, Any] = {"mean_loss": mean_loss}
         if not math.isfinite(mean_loss) or (
             self._best_loss is not None and mean_loss > self._best_loss * self.config.divergence_factor
         ):
@@ -175,13 +228,14 @@ class Preserver:
         if self._best_loss is None or mean_loss < self._best_loss:
             self._best_loss = mean_loss
             self._harmful_windows = 0
-        elif mean_loss > self._best_loss * (1 + self.config.loss_tolerance):
+        elif (mean_loss > self._best_loss * (1 + self.config.loss_tolerance)
+              and mean_loss - self._best_loss > self.config.loss_floor):
             self._harmful_windows += 1
             if self._harmful_windows >= self.config.patience:
                 return self._step_down(
                     step,
                     f"window mean loss {mean_loss:.4g} exceeds the best {self._best_loss:.4g} by more than "
-                    f"{self.config.loss_tolerance:.0%} for {self._harmful_windows} windows",
+                    f"{self.config.loss_tolerance:.0%} and {self.config.loss_floor:g} for {self._harmful_windows} windows",
                     metrics,
                 )
         else:
@@ -192,7 +246,7 @@ class Preserver:
         """Compare a synchronous reference window with the window of the current plan just before it."""
         plan_mean, sync_mean = statistics.fmean(plan_losses), statistics.fmean(sync_losses)
         metrics = {"plan_window_loss": plan_mean, "sync_window_loss": sync_mean}
-        if plan_mean > sync_mean * (1 + self.config.loss_tolerance):
+        if plan_mean > sync_mean * (1 + self.config.loss_tolerance) and plan_mean - sync_mean > self.config.loss_floor:
             return self._step_down(
                 step,
                 f"mean loss under the plan {plan_mean:.4g} exceeds the synchronous reference window {sync_mean:.4g} "

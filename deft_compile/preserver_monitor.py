@@ -2,10 +2,11 @@
 
 Kept apart from :mod:`deft_compile.preserver` (pure decisions) and from the
 runtime (graphs): this module knows which tensors to look at. Costs per step
-are one ``loss.item()``; at the end of each check window it reads the applied
-gradients of the delayed items in two consecutive steps (one subtraction and
-two norms per delayed parameter) and all-reduces two numbers (loss sum and
-count) so every rank decides on the same mean loss.
+are one ``loss.item()``; at the end of each loss window one all-reduce of one
+number. Every ``staleness_every`` steps, when the plan has stale items, it
+copies the parameters before the step and afterwards recomputes the step's
+minibatch gradient at both weights (two eager forward/backward passes, see
+:mod:`deft_compile.staleness`), then all-reduces two numbers per stale item.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from deft_compile.preserver import Preserver, PreserverEvent
+from deft_compile.staleness import same_batch_gradient_change
 
 if TYPE_CHECKING:
     from deft_compile.runtime import CompiledStep
@@ -29,39 +31,52 @@ class PreserverMonitor:
         self.config = preserver.config
         self._loss_sum = 0.0
         self._loss_count = 0
-        self._previous: dict[int, torch.Tensor] = {}
+        self._before: list[torch.Tensor] | None = None
+        self.last_staleness_errors: dict[tuple[str, ...], float] = {}
         self._recent_losses: list[float] = []
         self._probe: dict | None = None
 
-    def _delayed_items(self) -> dict[int, list[int]]:
-        """Item id -> captured parameter indices, for items delayed by one step with no period."""
+    def _stale_items(self) -> dict[tuple[str, ...], tuple[list[int], float]]:
+        """Parameter names -> (captured parameter indices, mean staleness in steps), for items that are
+        delayed (one step) or periodic (K steps: (K - 1)/2 on average). Shares of one bucket merge."""
+        names = self.step.graph.captured.model_state.param_names  # items hold captured indices
+        stale: dict[tuple[str, ...], tuple[list[int], float]] = {}
+        for item in self.step._items:
+            staleness = (1.0 if item.apply == "next-update" else 0.0) + (item.period - 1) / 2
+            if staleness > 0:
+                stale[tuple(sorted(names[p] for p in item.params))] = (sorted(item.params), staleness)
+        return stale
+
+    def before_step(self) -> None:
+        """Called before every step: keep the weights if this step's staleness error is measured."""
+        self._before = None
+        if self._probe is None and self.preserver.staleness_due(self.step.step_count + 1) and self._stale_items():
+            self._before = [p.detach().clone() for p in self.step.graph.captured.model_state.params]
+
+    def _staleness_errors(self, args: tuple, kwargs: dict) -> dict[tuple[str, ...], float]:
+        stale = self._stale_items()
+        state = self.step.graph.captured.model_state
+        watched = sorted({p for params, _ in stale.values() for p in params})
+        change = same_batch_gradient_change(
+            self.step.model, state.param_names, self._before, state.params, dict(zip(state.buffer_names, state.buffers)),
+            self.step.loss_fn, args, kwargs, watched,
+        )
+        sums = [sum(change.get(p, (0.0, 0.0))[k] for p in params) for k in (0, 1) for params, _ in stale.values()]
+        sums = self._all_rank_mean(sums)
+        n = len(stale)
         return {
-            item.id: item.params for item in self.step._items if item.apply == "next-update" and item.period == 1
+            names: math.sqrt(sums[i] / sums[n + i]) * staleness
+            for i, (names, (_, staleness)) in enumerate(stale.items())
+            if sums[n + i] > 0
         }
-
-    def _gradients(self, params: list[int]) -> dict[int, torch.Tensor]:
-        live = self.step.graph.captured.model_state.params
-        return {p: live[p].grad for p in params if live[p].grad is not None}
-
-    def _drifts(self) -> dict[int, float]:
-        drifts = {}
-        for item, params in self._delayed_items().items():
-            now = self._gradients(params)
-            if not now or any(p not in self._previous for p in now):
-                continue
-            difference = math.sqrt(sum(float((now[p] - self._previous[p]).square().sum()) for p in now))
-            norm = math.sqrt(sum(float(now[p].square().sum()) for p in now))
-            if norm > 0:
-                drifts[item] = difference / norm
-        return drifts
 
     def _all_rank_mean(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(tensor, group=self.step._process_group)
         return (tensor / self.step.world_size).tolist()
 
-    def after_step(self, loss: torch.Tensor) -> PreserverEvent | None:
-        """Called after every step; may re-plan (through ``CompiledStep.switch_plan``)."""
+    def after_step(self, loss: torch.Tensor, args: tuple, kwargs: dict) -> PreserverEvent | None:
+        """Called after every step with the step's inputs; may re-plan (through ``CompiledStep.switch_plan``)."""
         value = float(loss)
         step_count = self.step.step_count  # steps done, including this one
         if self._probe is not None:
@@ -70,18 +85,19 @@ class PreserverMonitor:
         self._loss_sum += value
         self._loss_count += 1
         event = None
-        if step_count % self.config.check_every == 0:
-            drifts = self._drifts()
+        if self._before is not None:
+            errors = self._staleness_errors(args, kwargs)
+            self._before = None
+            self.last_staleness_errors = errors
+            event = self.preserver.observe_staleness(step_count, errors)
+            if event is not None:
+                self._apply(event, step_down=False)
+        if event is None and step_count % self.config.check_every == 0:
             mean_loss = self._all_rank_mean([self._loss_sum / self._loss_count])[0]
             self._loss_sum, self._loss_count = 0.0, 0
-            event = self.preserver.observe_window(step_count, mean_loss, drifts)
+            event = self.preserver.observe_window(step_count, mean_loss)
             if event is not None:
                 self._apply(event)
-        elif (step_count + 1) % self.config.check_every == 0:
-            # Keep the gradients applied in the step before a window ends, to measure drift against.
-            self._previous = {
-                p: g for params in self._delayed_items().values() for p, g in self._gradients(params).items()
-            }
         if (
             event is None
             and self.config.probe_every > 0
@@ -110,9 +126,11 @@ class PreserverMonitor:
         self._recent_losses = []
         return event
 
-    def _apply(self, event: PreserverEvent) -> None:
-        """Switch to the event's plan; a level whose plan is the same as the current one is skipped."""
+    def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
+        """Switch to the event's plan. A ladder level whose plan is the same as the current one is skipped
+        (``step_down``); a pinning that leaves the plan as it is changes nothing."""
         current = self.step.plan.hash()
-        while self.step.solve(self.preserver.options).hash() == current and not self.preserver.exhausted:
+        while step_down and self.step.solve(self.preserver.options).hash() == current and not self.preserver.exhausted:
             self.preserver._step_down(event.step, "the plan did not change at that level", event.metrics)
-        self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)
+        if self.step.solve(self.preserver.options).hash() != current:
+            self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)

@@ -141,6 +141,8 @@ class CompiledStep:
             compiled = self._compile(key, args, kwargs, phases, flush=False)
         else:
             self._graphs.move_to_end(key)
+        if self._monitor is not None:
+            self._monitor.before_step()
         outputs = self._timed_run(compiled, user_tensors)
         for item in self._items:
             if item.period > 1:
@@ -148,7 +150,7 @@ class CompiledStep:
         self._last_call = (args, kwargs)
         self.step_count += 1
         if self._monitor is not None:
-            self._monitor.after_step(outputs)
+            self._monitor.after_step(outputs, args, kwargs)
         return outputs
 
     # -- DS-Sync ----------------------------------------------------------------

@@ -458,7 +458,7 @@ def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: i
     config = DeftConfig(
         plan_options={"first_bucket_bytes": 1, "bucket_cap_bytes": 1, "allow_period": False,
                       **({"max_staleness": 0} if synchronous else {})},
-        preserver=PreserverConfig(enabled=enabled, check_every=check_every),
+        preserver=PreserverConfig(enabled=enabled, check_every=check_every, staleness_every=check_every),
     )
     step = deft_compile(model, optimizer, F.mse_loss, policy="deft", profile=profile, config=config)
     losses = [float(step(x, y)) for x, y in batches]
