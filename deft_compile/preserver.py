@@ -8,15 +8,17 @@ while on a CNN under SGD the same plans cost nothing measurable. So a plan is
 checked while it trains, from signals that are identical on every rank (so
 every rank takes the same decision without extra agreement):
 
-* **staleness error** of each stale item (delayed, or with a period K > 1):
+* **staleness error** of each bucket:
   ``‖g(w_{t+1}; B_t) − g(w_t; B_t)‖ / ‖g(w_t; B_t)‖`` on the *same* minibatch
-  (:mod:`deft_compile.staleness`), summed over ranks, times the item's mean
-  staleness in steps (``d + (K − 1)/2``). It is the relative error a stale
-  update makes beyond ordinary sampling noise. An item whose moving average
-  exceeds ``staleness_threshold`` is *pinned*: its parameters join the solver's
-  ``keep_synchronous`` list and the plan is re-solved, so the knapsack may
-  delay other, less sensitive buckets instead. This is DeFT's "move buckets
-  back to synchronous", bucket by bucket.
+  (:mod:`deft_compile.staleness`), summed over ranks, times the bucket's mean
+  staleness in steps (``d + (K − 1)/2``, at least 1). It is the relative error
+  a one-step-stale update makes beyond ordinary sampling noise. A bucket whose
+  median over the last measurements exceeds ``staleness_threshold`` is
+  *pinned*: its parameters join the solver's ``keep_synchronous`` list and the
+  plan is re-solved, so the knapsack may delay other, less sensitive buckets
+  instead. This is DeFT's "move buckets back to synchronous", bucket by
+  bucket. The error is measured for synchronous buckets too, so a pinned
+  bucket is released when its error falls (the learning rate decays).
 * **loss** averaged over all ranks and over a window of ``check_every`` steps.
   A window mean above the best window so far by more than ``loss_tolerance``
   (relative) *and* ``loss_floor`` (absolute), ``patience`` times in a row,
@@ -63,6 +65,11 @@ class PreserverConfig:
             separates the two real tasks of docs/CONVERGENCE.md: medians of
             0.02–0.09 where delays cost nothing (CNN, SGD) and 0.25–0.37 where
             they cost 3–15 % of validation loss (transformer, AdamW).
+        release_ratio: a pinned bucket is released (may be delayed again)
+            when its median falls below ``staleness_threshold ×
+            release_ratio``: the error is a property of the training
+            dynamics, measured for every bucket, and falls as the learning
+            rate decays.
         staleness_window: measurements per decision; the median ignores a
             single spike (a batch the model already fits has a tiny gradient
             and a large relative error).
@@ -85,6 +92,7 @@ class PreserverConfig:
     staleness_every: int = 25
     staleness_threshold: float = 0.2
     staleness_window: int = 3
+    release_ratio: float = 0.5
     loss_tolerance: float = 0.05
     loss_floor: float = 0.02
     patience: int = 2
@@ -99,6 +107,8 @@ class PreserverConfig:
             raise ValueError("check_every, probe_window and patience must be at least 1")
         if self.staleness_every < 0:
             raise ValueError("staleness_every must be >= 0 (0 turns the staleness error off)")
+        if not 0.0 <= self.release_ratio <= 1.0:
+            raise ValueError("release_ratio must be in [0, 1]")
         if self.staleness_window < 1:
             raise ValueError("staleness_window must be at least 1")
 
@@ -198,23 +208,30 @@ class Preserver:
         return event
 
     def observe_staleness(self, step: int, errors: dict[tuple[str, ...], float]) -> PreserverEvent | None:
-        """Staleness errors of the stale items (keyed by their parameter names); may pin some of them."""
+        """Staleness errors of every bucket (keyed by its parameter names): pin stale buckets that err too
+        much, and release pinned ones whose error fell under ``staleness_threshold × release_ratio``."""
         self.staleness_log.append((step, {"+".join(names): error for names, error in errors.items()}))
         window = self.config.staleness_window
         for names, error in errors.items():
             self._errors[names] = (self._errors.get(names, []) + [error])[-window:]
         medians = {names: statistics.median(values) for names, values in self._errors.items() if len(values) == window}
-        over = {names: e for names, e in medians.items() if e > self.config.staleness_threshold}
-        if not over or self.exhausted:
+        threshold = self.config.staleness_threshold
+        over = {names: e for names, e in medians.items() if e > threshold and not set(names) <= self.pinned}
+        under = {names: e for names, e in medians.items()
+                 if e < threshold * self.config.release_ratio and set(names) & self.pinned}
+        if self.exhausted or not (over or under):
             return None
         self.pinned.update(name for names in over for name in names)
-        described = ", ".join(f"{'+'.join(names)} ({e:.2f})" for names, e in sorted(over.items(), key=lambda kv: -kv[1]))
+        self.pinned.difference_update(name for names in under for name in names)
+
+        def described(group: dict[tuple[str, ...], float]) -> str:
+            return ", ".join(f"{'+'.join(names)} ({e:.2f})" for names, e in sorted(group.items(), key=lambda kv: -kv[1]))
+
+        parts = ([f"median staleness error above {threshold:g}: {described(over)}"] if over else []) + (
+            [f"below {threshold * self.config.release_ratio:g} again: {described(under)}"] if under else [])
         metrics = {"staleness_error_median": {"+".join(k): v for k, v in medians.items()}}
         return self._record(
-            step,
-            f"median staleness error above {self.config.staleness_threshold:g}: {described}; re-planning with "
-            f"{len(self.pinned)} parameter(s) kept synchronous",
-            metrics,
+            step, f"{'; '.join(parts)}; re-planning with {len(self.pinned)} parameter(s) kept synchronous", metrics
         )
 
     # -- signals --------------------------------------------------------------

@@ -3,10 +3,11 @@
 Kept apart from :mod:`deft_compile.preserver` (pure decisions) and from the
 runtime (graphs): this module knows which tensors to look at. Costs per step
 are one ``loss.item()``; at the end of each loss window one all-reduce of one
-number. Every ``staleness_every`` steps, when the plan has stale items, it
-copies the parameters before the step and afterwards recomputes the step's
-minibatch gradient at both weights (two eager forward/backward passes, see
-:mod:`deft_compile.staleness`), then all-reduces two numbers per stale item.
+number. Every ``staleness_every`` steps, when the plan has stale items (or
+buckets the Preserver pinned), it copies the parameters before the step and
+afterwards recomputes the step's minibatch gradient at both weights (two eager
+forward/backward passes, see :mod:`deft_compile.staleness`), then all-reduces
+two numbers per bucket.
 """
 
 from __future__ import annotations
@@ -36,25 +37,30 @@ class PreserverMonitor:
         self._recent_losses: list[float] = []
         self._probe: dict | None = None
 
-    def _stale_items(self) -> dict[tuple[str, ...], tuple[list[int], float]]:
-        """Parameter names -> (captured parameter indices, mean staleness in steps), for items that are
-        delayed (one step) or periodic (K steps: (K - 1)/2 on average). Shares of one bucket merge."""
+    def _buckets(self) -> dict[tuple[str, ...], tuple[list[int], float]]:
+        """Parameter names -> (captured parameter indices, mean staleness in steps, at least 1) for every
+        item (delayed: one step; periodic: (K - 1)/2 more). Shares of one bucket merge."""
         names = self.step.graph.captured.model_state.param_names  # items hold captured indices
-        stale: dict[tuple[str, ...], tuple[list[int], float]] = {}
+        buckets: dict[tuple[str, ...], tuple[list[int], float]] = {}
         for item in self.step._items:
-            staleness = (1.0 if item.apply == "next-update" else 0.0) + (item.period - 1) / 2
-            if staleness > 0:
-                stale[tuple(sorted(names[p] for p in item.params))] = (sorted(item.params), staleness)
-        return stale
+            staleness = max(1.0, (1.0 if item.apply == "next-update" else 0.0) + (item.period - 1) / 2)
+            buckets[tuple(sorted(names[p] for p in item.params))] = (sorted(item.params), staleness)
+        return buckets
+
+    def _worth_measuring(self) -> bool:
+        """Stale items to check, or pinned buckets that may be released."""
+        stale = any(item.apply == "next-update" or item.period > 1 for item in self.step._items)
+        return stale or bool(self.preserver.pinned)
 
     def before_step(self) -> None:
         """Called before every step: keep the weights if this step's staleness error is measured."""
         self._before = None
-        if self._probe is None and self.preserver.staleness_due(self.step.step_count + 1) and self._stale_items():
+        if (self._probe is None and not self.preserver.exhausted
+                and self.preserver.staleness_due(self.step.step_count + 1) and self._worth_measuring()):
             self._before = [p.detach().clone() for p in self.step.graph.captured.model_state.params]
 
     def _staleness_errors(self, args: tuple, kwargs: dict) -> dict[tuple[str, ...], float]:
-        stale = self._stale_items()
+        stale = self._buckets()
         state = self.step.graph.captured.model_state
         watched = sorted({p for params, _ in stale.values() for p in params})
         change = same_batch_gradient_change(

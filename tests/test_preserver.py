@@ -41,6 +41,16 @@ def test_high_staleness_error_pins_that_bucket_and_is_recorded():
     assert preserver.options["keep_synchronous"] == ["embed.weight", "pos"]
 
 
+def test_pinned_bucket_is_released_when_its_error_falls():
+    preserver = _preserver(staleness_threshold=0.2, staleness_window=1, release_ratio=0.5)
+    assert preserver.observe_staleness(5, {("a",): 0.5, ("b",): 0.15}) is not None
+    assert preserver.pinned == {"a"}
+    assert preserver.observe_staleness(10, {("a",): 0.15, ("b",): 0.15}) is None, "hysteresis: 0.15 is not < 0.1"
+    event = preserver.observe_staleness(25, {("a",): 0.05, ("b",): 0.15})
+    assert event is not None and "below 0.1 again: a (0.05)" in event.reason
+    assert preserver.pinned == set() and "keep_synchronous" not in preserver.options
+
+
 def test_one_staleness_spike_is_ignored():
     preserver = _preserver(staleness_threshold=0.2, staleness_window=3)
     for step, error in [(5, 0.05), (10, 1.3), (25, 0.04), (50, 0.06)]:
@@ -95,6 +105,8 @@ def test_config_is_validated():
         PreserverConfig(check_every=0)
     with pytest.raises(ValueError):
         PreserverConfig(staleness_window=0)
+    with pytest.raises(ValueError):
+        PreserverConfig(release_ratio=1.5)
     with pytest.raises(ValueError):
         PreserverConfig(staleness_every=-1)
 
