@@ -19,6 +19,7 @@ oversubscribed and every timing is a ratio measured in the same run):
   - ``deft``    ``policy="deft"`` planned on the convergence run's synthetic slow-link profile
                 (``slow_link_profile``, comm/compute 0.7, ``allow_period=False``, Preserver off:
                 the delays stay in the plan all run, as in docs/CONVERGENCE.md's ``deft-delay``);
+  - ``deft-K``  the same with update periods allowed (comm/compute 2.0: CONVERGENCE.md's ``deft-delay-K``);
   - ``dssync``  ``policy="dssync"``, ``group_size=2`` of 4, regrouped every step (``shuffle_every=1``);
   - ``dlcp``    ``policy="dlcp"`` planned on the same kind of synthetic profile with a deadline of
                 ``--dlcp-deadline`` × the profile's time for an all-reduce of every gradient, so it
@@ -28,23 +29,33 @@ oversubscribed and every timing is a ratio measured in the same run):
   across all ranks that the replicas are bit-identical (for ``dssync`` it also
   records how far apart they were before the flush) and rank 0 evaluates the final
   model on the fixed 20 % test split. Intermediate evaluations (curves) use rank 0's
-  replica, which for ``dssync`` is one replica of its group before any global average.
-  Time per step: the slower rank's, median over the steps of the run (steps that
-  captured a new graph excluded), quoted as a ratio to DDP's.
+  replica, which for ``dssync`` is one replica of its group before any global average;
+  for ``dssync`` every evaluation also records how far the replicas are apart and the
+  test accuracy of their average (what ``flush()`` would give at that step).
+  Time per step: the slower rank's, mean over the steps of the run (the first 2 and
+  steps that captured a new graph left out), quoted as a ratio to DDP's.
 
 * ``shaped`` (speed, needs root + iproute2): the 4 workers in one private network
   namespace whose ``lo`` is shaped with ``tc tbf`` (``ShapedLoopback``; a shared medium:
-  every byte of every worker crosses one qdisc). The VGG-style CNN of
-  ``benchmarks/policies.py`` on a fixed random batch per rank, SGD momentum. Variants in
-  the same processes, interleaved in rotated blocks (a barrier and one untimed step
-  start each block): ``floor`` (the compiled step on a one-rank group: no
-  communication), ``ddp``, ``deft`` (measured profile, ``allow_period=False``, Preserver
-  off), ``dssync`` and ``dlcp`` (planned on ``deft``'s measured profile; deadline
-  ``--dlcp-deadline`` × its predicted all-reduce of every gradient). Reported: median step
-  (slower rank) per variant, ratios to DDP and to the floor, the paired ratio (median
-  over rounds of the block ratio to DDP's block of that round), DLCP's chunks sent and
-  dropped mass, the link's all-reduce times (whole world and DS-Sync pairs at once).
-  The namespace is deleted at the end, also on Ctrl-C and SIGTERM.
+  every byte of every worker crosses one qdisc), one launch per ``--rates`` entry. The
+  VGG-style CNN of ``benchmarks/policies.py`` on a fixed random batch per rank, SGD
+  momentum. Variants in the same processes, interleaved in rotated blocks (a barrier and
+  one untimed step start each block):
+
+  - ``floor``   the compiled step on a one-rank group: no communication;
+  - ``ddp``     torch DDP;
+  - ``deft``    measured profile, ``allow_period=False``, Preserver off;
+  - ``deft-K``  the same with update periods allowed (the solver's default);
+  - ``dssync``  as above;
+  - ``dlcp``    planned on ``deft``'s measured profile, deadline ``--dlcp-deadline`` × its
+                predicted all-reduce of every gradient.
+
+  A block is whole cycles of the variant's plan (update periods K), and warm-up runs until
+  a whole cycle captures no new graph. Reported: time per step (slower rank) = median over
+  rounds of the block mean; ratios to DDP and to the floor; the paired ratio (median over
+  rounds of the block ratio to DDP's block of that round); DLCP's chunks sent and dropped
+  mass; the link's all-reduce times (whole world, and DS-Sync's two pairs at once). The
+  namespace is deleted at the end, also on Ctrl-C and SIGTERM.
 
 Outputs (``--out``, default ``docs/img``): ``dssync_dlcp.json`` (every number, the
 load average before/after each part) and ``dssync_dlcp.png`` (matplotlib, if installed).
@@ -78,8 +89,9 @@ from deft_compile.preserver import PreserverConfig  # noqa: E402
 from deft_compile.solvers import dssync_partition  # noqa: E402
 
 WORLD = 4
-DIGITS_VARIANTS = ("ddp", "deft", "dssync", "dlcp")
-SHAPED_VARIANTS = ("floor", "ddp", "deft", "dssync", "dlcp")
+DIGITS_VARIANTS = ("ddp", "deft", "deft-K", "dssync", "dlcp")
+DEFT_DIGITS = {"deft": "deft-delay", "deft-K": "deft-delay-K"}  # benchmarks/convergence.py VARIANTS
+SHAPED_VARIANTS = ("floor", "ddp", "deft", "deft-K", "dssync", "dlcp")
 
 
 # --------------------------------------------------------------------------- shared helpers (in the workers)
@@ -135,6 +147,43 @@ def expand_variants(variants: list[str], max_losses: list[float]) -> list[str]:
     return out
 
 
+def _deft_plan_facts(step) -> dict[str, Any]:
+    """How much of deft's plan is delayed and periodic (by bytes), and its largest K."""
+    items, profile = step.plan.items, step.profile
+    total = sum(i.nbytes(profile) for i in items)
+    return {"items": len(items), "delayed_items": sum(1 for i in items if i.delay),
+            "delayed_bytes_share": sum(i.nbytes(profile) for i in items if i.delay) / total,
+            "periodic_items": sum(1 for i in items if i.period > 1),
+            "periodic_bytes_share": sum(i.nbytes(profile) for i in items if i.period > 1) / total,
+            "max_period": max((i.period for i in items), default=1)}
+
+
+_deft_plan_facts.keys = ("items", "delayed_items", "delayed_bytes_share", "periodic_items", "periodic_bytes_share",
+                         "max_period")
+
+
+def _plan_line(facts: dict[str, Any]) -> str:
+    return (f"{facts['delayed_items']}/{facts['items']} items delayed ({facts['delayed_bytes_share']:.0%} of the bytes), "
+            f"{facts['periodic_items']} with a period ({facts['periodic_bytes_share']:.0%} of the bytes, K <= {facts['max_period']})")
+
+
+def _dssync_probe(model: nn.Module, world_size: int, task: Any, rank: int, step: int) -> dict[str, Any] | None:
+    """How far DS-Sync's replicas are apart, and (rank 0) the test accuracy of their average; collective."""
+    flat = _flat_params(model)
+    mean = flat.clone()
+    dist.all_reduce(mean)
+    mean /= world_size
+    spread = torch.tensor([float((flat - mean).norm() / mean.norm()), float((flat - mean).abs().max())],
+                          dtype=torch.float64)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    averaged = copy.deepcopy(model)
+    torch.nn.utils.vector_to_parameters(mean, averaged.parameters())
+    return {"step": step, "relative_distance_to_mean": float(spread[0]), "max_abs_to_mean": float(spread[1]),
+            "averaged": task.evaluate(averaged), "rank0": task.evaluate(model)}
+
+
 def _dlcp_stats(step) -> list[float] | None:
     """[chunks sent, dropped mass fraction] of DLCP's single item this step (None without a deadline)."""
     stats = step.last_stats
@@ -161,9 +210,9 @@ def digits_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
         if name == "ddp":
             runners[name], _ = build_runner(task, None, model, optimizer, batches[0], world_size)
             continue
-        if name == "deft":
-            run, step = build_runner(task, CONVERGENCE_VARIANTS["deft-delay"], model, optimizer, batches[0], world_size,
-                                     PreserverConfig(enabled=False))
+        if name in DEFT_DIGITS:
+            run, step = build_runner(task, CONVERGENCE_VARIANTS[DEFT_DIGITS[name]], model, optimizer, batches[0],
+                                     world_size, PreserverConfig(enabled=False))
         elif name == "dssync":
             options = {"group_size": cfg["group_size"], "shuffle_every": cfg["shuffle_every"], "seed": seed}
             step = deft_compile(model, optimizer, task.loss_fn, policy="dssync",
@@ -188,6 +237,7 @@ def digits_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
     evals: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     dlcp_stats: dict[str, list[list[float] | None]] = {n: [] for n in names if n.startswith("dlcp-")}
     block_load: list[float] = []
+    dssync_track: list[dict[str, Any]] = []  # replica spread and the averaged model's accuracy at each evaluation
     for b, start in enumerate(range(0, steps, block)):
         end = min(start + block, steps)
         for name in _rotated(names, b):
@@ -204,6 +254,10 @@ def digits_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
                 traced[name].append(step is not None and step.trace_count != before)
                 if name in dlcp_stats:
                     dlcp_stats[name].append(_dlcp_stats(step))
+        if "dssync" in models and end % cfg["eval_every"] == 0:
+            probe = _dssync_probe(models["dssync"], world_size, task, rank, end)  # collective: every rank
+            if probe is not None:
+                dssync_track.append(probe)
         if rank == 0:
             block_load.append(os.getloadavg()[0])
             if end % cfg["eval_every"] == 0 and end < steps:
@@ -234,11 +288,8 @@ def digits_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
             entry["trace_count"] = step.trace_count
             entry["plan_items"] = len(step.plan.items)
             entry["plan_options"] = {k: v for k, v in step.plan.options.items() if isinstance(v, (int, float, str, type(None)))}
-            if name == "deft":
-                items = step.plan.items
-                total = sum(i.nbytes(step.profile) for i in items)
-                entry["delayed_items"] = sum(1 for i in items if i.delay)
-                entry["delayed_bytes_share"] = sum(i.nbytes(step.profile) for i in items if i.delay) / total
+            if name in DEFT_DIGITS:
+                entry.update(_deft_plan_facts(step))
             if name in dlcp_stats:
                 entry["chunks"] = step.plan.metadata["chunks"]
                 entry["chunk_budget"] = step.plan.options["chunk_budget"]
@@ -249,6 +300,8 @@ def digits_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
         result["variants"][name] = entry
     if rank == 0:
         result["block_load"] = block_load
+        if "dssync" in models:
+            result["variants"]["dssync"]["track"] = dssync_track
         result["params"] = sum(p.numel() for p in models[names[0]].parameters())
     return result
 
@@ -285,6 +338,8 @@ def _allreduce_ms(group: Any, nbytes: int, repeats: int) -> float:
 def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from policies import _ForeignLoad, make_optimizer, vgg
 
+    from deft_compile.artifacts import plan_cycle
+
     torch.manual_seed(0)
     base = vgg(cfg["width"], cfg["fc"], cfg["image"])
     data = torch.Generator().manual_seed(1000 + rank)
@@ -320,8 +375,9 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
         elif name == "ddp":
             runners[name] = _eager_runner(nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"]),
                                           optimizer)
-        elif name == "deft":
-            config = DeftConfig(plan_options={"allow_period": False}, preserver=PreserverConfig(enabled=False), **caps)
+        elif name in ("deft", "deft-K"):  # deft: delays only; deft-K: update periods allowed too (the solver's default)
+            options = {"allow_period": False} if name == "deft" else {}
+            config = DeftConfig(plan_options=options, preserver=PreserverConfig(enabled=False), **caps)
             runners[name] = steps_of[name] = deft_compile(model, optimizer, F.cross_entropy, policy="deft", config=config)
         elif name == "dssync":
             options = {"group_size": cfg["group_size"], "shuffle_every": 1, "seed": 0}
@@ -345,16 +401,31 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
     order = sorted(names, key=lambda n: n.startswith("dlcp-"))  # dlcp after deft has profiled
     pids: list[Any] = [None] * world_size
     dist.all_gather_object(pids, os.getpid())
-    warmup_s = {}
+    warmup_s: dict[str, float] = {}
+    cycles: dict[str, int] = {}
     for name in order:
         build(name)
         dist.barrier()
         started = time.perf_counter()
         for _ in range(warmups[name]):
             runners[name](inputs, targets)
+        # Then whole cycles of the plan (update periods K) until one captures no new graph on any rank, so the
+        # timed blocks below (whole cycles too) time steps, not tracing.
+        step = steps_of.get(name)
+        cycles[name] = plan_cycle(step.plan) if step is not None and step.plan is not None else 1
+        for _ in range(4 if step is not None else 0):
+            before = step.trace_count
+            for _ in range(max(2, cycles[name])):
+                runners[name](inputs, targets)
+                warmups[name] += 1
+            new = torch.tensor([float(step.trace_count != before)])
+            dist.all_reduce(new, op=dist.ReduceOp.MAX)
+            if not new.item():
+                break
         warmup_s[name] = time.perf_counter() - started
         if progress:
-            print(f"  [shaped] warm-up {name}: {warmups[name]} steps in {warmup_s[name]:.1f} s", flush=True)
+            print(f"  [shaped] warm-up {name}: {warmups[name]} steps in {warmup_s[name]:.1f} s "
+                  f"(plan cycle {cycles[name]})", flush=True)
 
     samples = {n: [] for n in names}
     traced = {n: [] for n in names}
@@ -367,8 +438,9 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
             dist.barrier()
             run(inputs, targets)  # absorbs whatever the previous block left on the link
             first = len(samples[name])
+            length = math.ceil(cfg["block"] / cycles[name]) * cycles[name]  # whole cycles of a periodic plan
             with _ForeignLoad(pids) as load:
-                for _ in range(cfg["block"]):
+                for _ in range(length):
                     before = step.trace_count if step is not None else 0
                     started = time.perf_counter()
                     run(inputs, targets)
@@ -377,12 +449,12 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
                     if name in dlcp_stats:
                         dlcp_stats[name].append(_dlcp_stats(step))
             foreign[name].append(load.cores)
-            blocks[name].append((r, first, cfg["block"]))
+            blocks[name].append((r, first, length))
         if progress:
             print(f"  [shaped] round {r + 1}/{cfg['rounds']} done", flush=True)
     dist.barrier()
     out: dict[str, Any] = {"samples_ms": {}, "traced": {}, "blocks": blocks, "warmup_s": warmup_s,
-                           "warmup_steps": warmups}
+                           "warmup_steps": warmups, "cycles": cycles}
     for name in names:
         out["samples_ms"][name] = _slower_rank(samples[name])
         flags = torch.tensor([float(x) for x in traced[name]], dtype=torch.float64)
@@ -406,7 +478,7 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
                                 if deft_step is not None else None),
             plans={n: s.plan.table(s.profile) for n, s in steps_of.items() if s.plan is not None},
             plan_items={n: len(s.plan.items) for n, s in steps_of.items() if s.plan is not None},
-            deft_delayed_items=(sum(1 for i in deft_step.plan.items if i.delay) if deft_step is not None else None),
+            deft_plans={n: _deft_plan_facts(s) for n, s in steps_of.items() if n in ("deft", "deft-K")},
             trace_counts={n: s.trace_count for n, s in steps_of.items()},
         )
     return out
@@ -415,9 +487,9 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
 # --------------------------------------------------------------------------- analysis (parent)
 
 
-def _median_kept(times: list[float], traced: list[bool], skip_first: int = 0) -> tuple[float, int]:
-    kept = [t for i, (t, r) in enumerate(zip(times, traced)) if not r and i >= skip_first]
-    return statistics.median(kept), len(kept)
+def _kept(times: list[float], traced: list[bool], skip_first: int = 0) -> list[float]:
+    """Step times without the first ``skip_first`` steps and without steps that captured a graph (compile time)."""
+    return [t for i, (t, r) in enumerate(zip(times, traced)) if not r and i >= skip_first]
 
 
 def dlcp_summary(stats: list[list[float] | None], chunks: int) -> dict[str, Any]:
@@ -442,18 +514,27 @@ def summarise_digits(runs: dict[int, dict[str, Any]], variants: list[str], skip_
         accuracy = [e["final"]["test_accuracy"] for e in per_seed]
         test_loss = [e["final"]["test_loss"] for e in per_seed]
         before = [e["final_before_flush"]["test_accuracy"] for e in per_seed]
-        medians = [_median_kept(e["step_ms"], e["traced"], skip_first)[0] for e in per_seed]
+        # The mean over the whole run: a periodic plan (deft-K) has cheap steps that do not communicate, so a
+        # median would pick those; 600 steps are whole cycles of any K <= 4 up to the few traced steps left out.
+        kept = [_kept(e["step_ms"], e["traced"], skip_first) for e in per_seed]
+        means = [statistics.fmean(k) for k in kept]
+        medians = [statistics.median(k) for k in kept]
         rows[name] = {"test_accuracy": statistics.fmean(accuracy), "accuracy_per_seed": accuracy,
                       "test_loss": statistics.fmean(test_loss), "test_loss_per_seed": test_loss,
                       "accuracy_before_flush_per_seed": before,
                       "accuracy_before_flush": statistics.fmean(before),
-                      "median_step_ms_per_seed": medians,
+                      "mean_step_ms_per_seed": means, "median_step_ms_per_seed": medians,
                       "replicas_identical_after_flush": [e["after_flush"]["replicas_identical"] for e in per_seed]}
         if name == "dssync":
             rows[name]["before_flush_max_abs_diff"] = [e["before_flush"]["max_abs_diff"] for e in per_seed]
-        if name == "deft":
-            rows[name]["delayed_bytes_share"] = per_seed[0]["delayed_bytes_share"]
-            rows[name]["delayed_items"] = f"{per_seed[0]['delayed_items']}/{per_seed[0]['plan_items']}"
+            if all(e.get("track") for e in per_seed):
+                rows[name]["relative_distance_to_mean"] = {
+                    str(p["step"]): [e["track"][i]["relative_distance_to_mean"] for e in per_seed]
+                    for i, p in enumerate(per_seed[0]["track"])}
+                rows[name]["averaged_accuracy_before_flush"] = [e["track"][-1]["averaged"]["test_accuracy"]
+                                                                for e in per_seed]
+        if name in DEFT_DIGITS:
+            rows[name]["plan"] = {k: per_seed[0][k] for k in _deft_plan_facts.keys}
         if name.startswith("dlcp-"):
             options = per_seed[0]["plan_options"]
             rows[name].update(max_loss=options["max_loss"], deadline_ms=options["deadline_ms"],
@@ -462,47 +543,45 @@ def summarise_digits(runs: dict[int, dict[str, Any]], variants: list[str], skip_
     if "ddp" in rows:
         for name, row in rows.items():
             row["accuracy_diff_points"] = row["test_accuracy"] - rows["ddp"]["test_accuracy"]
-            ratios = [m / d for m, d in zip(row["median_step_ms_per_seed"], rows["ddp"]["median_step_ms_per_seed"])]
+            ratios = [m / d for m, d in zip(row["mean_step_ms_per_seed"], rows["ddp"]["mean_step_ms_per_seed"])]
             row["time_ratio_to_ddp_per_seed"] = ratios
             row["time_ratio_to_ddp"] = statistics.fmean(ratios)
     return rows
 
 
+def _block_means(value: dict[str, Any], name: str) -> dict[int, float]:
+    """Per round: the mean step time of this variant's block (whole plan cycles); blocks that traced are left out."""
+    out = {}
+    for r, first, count in value["blocks"][name]:
+        if not any(value["traced"][name][first:first + count]):
+            out[r] = statistics.fmean(value["samples_ms"][name][first:first + count])
+    return out
+
+
 def summarise_shaped(value: dict[str, Any], variants: list[str]) -> dict[str, Any]:
-    medians = {n: _median_kept(value["samples_ms"][n], value["traced"][n]) for n in variants}
+    """Time per step of a variant: the median over rounds of its block mean (a block is whole cycles of the plan, so a
+    periodic plan's steps that do not communicate are weighted right); ratios to DDP's and the floor's."""
+    means = {n: _block_means(value, n) for n in variants}
+    per_step = {n: statistics.median(m.values()) for n, m in means.items()}
     rows: dict[str, Any] = {}
     for name in variants:
-        median, kept = medians[name]
-        row = {"median_ms": median, "steps": kept,
+        row = {"ms_per_step": per_step[name], "blocks": len(means[name]), "steps": len(value["samples_ms"][name]),
+               "block_means_ms": means[name], "cycle": value["cycles"][name],
+               "step_median_ms": statistics.median(value["samples_ms"][name]),
                "p10_ms": _quantile(value["samples_ms"][name], 0.1), "p90_ms": _quantile(value["samples_ms"][name], 0.9),
                "foreign_cores_mean": statistics.fmean(value["foreign_cores"][name])}
-        if "ddp" in medians:
-            row["vs_ddp"] = median / medians["ddp"][0]
-            row["paired_vs_ddp"] = _paired(value, name, "ddp")
-        if "floor" in medians:
-            row["vs_floor"] = median / medians["floor"][0]
+        if "ddp" in per_step:
+            row["vs_ddp"] = per_step[name] / per_step["ddp"]
+            ratios = [means[name][r] / means["ddp"][r] for r in means[name] if r in means["ddp"]]
+            row["paired_vs_ddp"] = statistics.median(ratios) if ratios else float("nan")
+        if "floor" in per_step:
+            row["vs_floor"] = per_step[name] / per_step["floor"]
         if name in value["dlcp"]:
             d = value["dlcp"][name]
             row.update(deadline_ms=d["deadline_ms"], max_loss=d["max_loss"], chunk_budget=d["chunk_budget"],
                        **dlcp_summary(d["stats"], d["chunks"]))
         rows[name] = row
     return rows
-
-
-def _paired(value: dict[str, Any], name: str, reference: str) -> float:
-    """Median over rounds of (median of this variant's block) / (median of the reference's block of that round)."""
-    def block_medians(n: str) -> dict[int, float]:
-        out = {}
-        for r, first, count in value["blocks"][n]:
-            kept = [t for t, tr in zip(value["samples_ms"][n][first:first + count], value["traced"][n][first:first + count])
-                    if not tr]
-            if kept:
-                out[r] = statistics.median(kept)
-        return out
-
-    mine, ref = block_medians(name), block_medians(reference)
-    ratios = [mine[r] / ref[r] for r in mine if r in ref]
-    return statistics.median(ratios) if ratios else float("nan")
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -533,12 +612,18 @@ def print_digits(rows: dict[str, Any], seeds: list[int]) -> None:
         ratio = " / ".join(f"{r:.2f}" for r in row.get("time_ratio_to_ddp_per_seed", []))
         print(f"{name:<10}{row['test_accuracy']:>8.2f}{row.get('accuracy_diff_points', 0.0):>+8.2f}{row['test_loss']:>8.4f}"
               f"{row.get('time_ratio_to_ddp', float('nan')):>7.2f}{row['accuracy_before_flush']:>10.2f}  {per} | {ratio}")
-    if "deft" in rows:
-        print(f"deft: {rows['deft']['delayed_items']} items delayed ({rows['deft']['delayed_bytes_share']:.0%} of the bytes)")
+    for name in DEFT_DIGITS:
+        if name in rows:
+            print(f"{name}: {_plan_line(rows[name]['plan'])}")
     if "dssync" in rows:
         r = rows["dssync"]
         print(f"dssync: replicas identical after flush {r['replicas_identical_after_flush']}; "
               f"max |difference| between replicas before flush {[f'{x:.3g}' for x in r['before_flush_max_abs_diff']]}")
+        if "relative_distance_to_mean" in r:
+            points = list(r["relative_distance_to_mean"].items())
+            shown = [points[i] for i in sorted({0, len(points) // 2, len(points) - 1})]
+            print("dssync: replicas' largest ||w_r - mean|| / ||mean|| (per seed) at step "
+                  + "; ".join(f"{k}: {', '.join(f'{x:.3f}' for x in v)}" for k, v in shown))
     for name, row in rows.items():
         if name.startswith("dlcp-"):
             print(_dlcp_line(name, row, "synthetic slow-link profile"))
@@ -551,12 +636,14 @@ def print_shaped(rows: dict[str, Any], value: dict[str, Any], rate: str, deadlin
     print(f"all-reduce of every gradient: {link['allreduce_all_ms']:.1f} ms over 4 ranks, "
           f"{link['pair_allreduce_all_ms']:.1f} ms over DS-Sync pairs (both pairs at once)")
     if "floor" in rows:
-        print(f"coverage rate (all-reduce of every gradient / floor step): {link['allreduce_all_ms'] / rows['floor']['median_ms']:.2f}")
-    print(f"{'variant':<10}{'median ms':>10}{'steps':>7}{'vs DDP':>8}{'paired':>8}{'vs floor':>9}{'non-worker CPU':>15}")
+        print(f"coverage rate (all-reduce of every gradient / floor step): {link['allreduce_all_ms'] / rows['floor']['ms_per_step']:.2f}")
+    print(f"{'variant':<10}{'ms/step':>10}{'blocks':>7}{'vs DDP':>8}{'paired':>8}{'vs floor':>9}{'non-worker CPU':>15}")
     for name, row in rows.items():
-        print(f"{name:<10}{row['median_ms']:>10.1f}{row['steps']:>7}{row.get('vs_ddp', float('nan')):>8.2f}"
+        print(f"{name:<10}{row['ms_per_step']:>10.1f}{row['blocks']:>7}{row.get('vs_ddp', float('nan')):>8.2f}"
               f"{row.get('paired_vs_ddp', float('nan')):>8.2f}{row.get('vs_floor', float('nan')):>9.2f}"
               f"{row['foreign_cores_mean']:>14.2f}c")
+    for name, facts in value["deft_plans"].items():
+        print(f"{name}: {_plan_line(facts)}")
     for name, row in rows.items():
         if name.startswith("dlcp-"):
             print(_dlcp_line(name, row, f"{deadline} × the all-reduce on deft's measured profile"))
@@ -572,11 +659,16 @@ def plot(record: dict[str, Any], path: Path) -> bool:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return False
     digits, shaped = record.get("digits"), record.get("shaped")
-    panels = (["acc", "dtime", "drop"] if digits else []) + (["stime"] if shaped else [])
+    panels = (["acc", "spread", "dtime", "drop"] if digits else []) + (["stime"] if shaped else [])
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4.2))
-    axes = list(axes) if len(panels) > 1 else [axes]
+    columns = min(3, len(panels))
+    rows_n = math.ceil(len(panels) / columns)
+    fig, grid = plt.subplots(rows_n, columns, figsize=(5.5 * columns, 4.3 * rows_n), squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    axes = axes[:len(panels)]
     ax_of = dict(zip(panels, axes))
     if digits:
         runs, seeds = digits["runs"], sorted(digits["runs"], key=int)
@@ -587,6 +679,16 @@ def plot(record: dict[str, Any], path: Path) -> bool:
                    for i in range(len(steps))]
             ax_of["acc"].plot(steps, acc, marker=".", label=name)
             lowest = min(lowest, *acc)
+        if "dssync" in digits["variants"] and all(runs[s]["variants"]["dssync"].get("track") for s in seeds):
+            tracks = [runs[s]["variants"]["dssync"]["track"] for s in seeds]
+            steps = [p["step"] for p in tracks[0]]
+            acc = [statistics.fmean(t[i]["averaged"]["test_accuracy"] for t in tracks) for i in range(len(steps))]
+            ax_of["acc"].plot(steps, acc, ls="--", color="C3", label="dssync, average of the 4 replicas")
+            lowest = min(lowest, *acc)
+            for s, t in zip(seeds, tracks):
+                ax_of["spread"].plot(steps, [p["relative_distance_to_mean"] for p in t], marker=".", label=f"seed {s}")
+            ax_of["spread"].set(title="DS-Sync: max_r ||w_r - mean|| / ||mean||", xlabel="step", ylabel="relative distance")
+            ax_of["spread"].legend()
         ax_of["acc"].set(title=f"digits: test accuracy (rank 0, mean of {len(seeds)} seed(s))", xlabel="step",
                          ylabel="%", ylim=(min(90.0, lowest - 1), 100))
         ax_of["acc"].legend()
