@@ -240,6 +240,7 @@ class Preserver:
         metrics: dict[str, Any] = {"mean_loss": mean_loss}
         if not math.isfinite(mean_loss) or (
             self._best_loss is not None and mean_loss > self._best_loss * self.config.divergence_factor
+            and mean_loss - self._best_loss > self.config.loss_floor
         ):
             return self._step_down(step, f"training diverges: window mean loss {mean_loss:.4g} (best {self._best_loss})", metrics)
         if self._best_loss is None or mean_loss < self._best_loss:
