@@ -20,7 +20,7 @@ Variants:
 * ``deft-delay``      deft, delays only (``allow_period=False``), Preserver off: the plan stays all run.
 * ``deft-delay-K``    deft, delays and update periods K > 1 allowed, Preserver off.
 * ``deft-delay+P``, ``deft-delay-K+P``  the same with the Preserver on (the default ``PreserverConfig()``).
-* ``deft-delay+probe`` (only with ``--variants``): Preserver with synchronous probe windows, drift off.
+* ``deft-delay+probe`` (only with ``--variants``): Preserver with synchronous probe windows, staleness error off.
 
 ``--merge`` re-runs the given tasks and keeps the other tasks' runs in ``<out>/convergence.json``.
 
@@ -171,6 +171,23 @@ class Task:
     name = ""
     loss_fn = staticmethod(F.cross_entropy)
     bucket_caps = {"first_bucket_mb": 1.0, "bucket_cap_mb": 25.0}
+    lr = 0.0
+    # learning-rate schedule: "constant", or "cosine" (linear warm-up over ``warmup`` steps, then cosine
+    # decay to 0); the value changes every ``lr_every`` steps.
+    schedule = "constant"
+    warmup = 0
+    lr_every = 1
+
+    def lr_at(self, step: int, steps: int, base: float | None = None) -> float:
+        """The learning rate of 0-based ``step`` out of ``steps`` under this task's schedule."""
+        base = base or self.lr
+        if self.schedule == "constant":
+            return base
+        step = step - step % self.lr_every
+        if step < self.warmup:
+            return base * (step + self.lr_every) / (self.warmup + self.lr_every)
+        progress = (step - self.warmup) / max(1, steps - self.warmup)
+        return base * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def make_model(self) -> nn.Module:
         raise NotImplementedError
@@ -190,9 +207,11 @@ class DigitsTask(Task):
     # several DDP buckets for a 70k-parameter model, so the solver has buckets to choose from
     bucket_caps = {"first_bucket_mb": 0.004, "bucket_cap_mb": 0.0625}
 
-    def __init__(self, batch_per_rank: int = 32, lr: float = 0.05, momentum: float = 0.9) -> None:
+    def __init__(self, batch_per_rank: int = 32, lr: float = 0.05, momentum: float = 0.9, schedule: str = "constant",
+                 warmup: int = 0, lr_every: int = 1) -> None:
         self.data = digits_data()
         self.batch_per_rank, self.lr, self.momentum = batch_per_rank, lr, momentum
+        self.schedule, self.warmup, self.lr_every = schedule, warmup, lr_every
 
     def make_model(self) -> nn.Module:
         return DigitsCNN()
@@ -225,8 +244,10 @@ class CharLMTask(Task):
     loss_fn = staticmethod(lm_loss)
     bucket_caps = {"first_bucket_mb": 0.002, "bucket_cap_mb": 0.02}
 
-    def __init__(self, batch_per_rank: int = 16, context: int = 64, lr: float = 3e-3, dim: int = 96) -> None:
+    def __init__(self, batch_per_rank: int = 16, context: int = 64, lr: float = 3e-3, dim: int = 96,
+                 schedule: str = "constant", warmup: int = 0, lr_every: int = 1) -> None:
         self.context, self.batch_per_rank, self.lr, self.dim = context, batch_per_rank, lr, dim
+        self.schedule, self.warmup, self.lr_every = schedule, warmup, lr_every
         self.data = charlm_data(context)
 
     def make_model(self) -> nn.Module:
@@ -294,6 +315,7 @@ def plan_summary(step) -> dict[str, Any]:
         "metadata": {k: v for k, v in plan.metadata.items() if isinstance(v, (int, float, str))},
         "plan_history": list(step.plan_history),
         "preserver_events": [str(e) for e in (preserver.history if preserver is not None else [])],
+        "staleness_log": list(preserver.staleness_log) if preserver is not None else [],
     }
 
 
@@ -311,11 +333,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                        "plan_options": {"allow_period": True}, "preserver": True},
 }
 # Not in the default set (run with --variants): the Preserver with synchronous probe windows instead of the
-# drift signal, which is the only default-off check that compares against synchronous training.
+# staleness error, which is the only default-off check that compares against synchronous training.
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     "deft-delay+probe": {"comm_over_compute": {"digits": 0.7, "charlm": 0.9},
                          "plan_options": {"allow_period": False},
-                         "preserver": {"probe_every": 50, "probe_window": 5, "drift_threshold": float("inf")}},
+                         "preserver": {"probe_every": 50, "probe_window": 5, "staleness_every": 0}},
 }
 DEFAULT_VARIANTS = list(VARIANTS)
 VARIANTS.update(EXTRA_VARIANTS)
@@ -358,6 +380,9 @@ def train(task: Task, variant: dict[str, Any] | None, rank: int, world_size: int
     losses, evals = [], []
     started = time.perf_counter()
     for t, (inputs, targets) in enumerate(batches):
+        rate = task.lr_at(t, steps, lr)
+        for group in optimizer.param_groups:
+            group["lr"] = rate
         losses.append(float(run(inputs, targets)))
         if rank == 0 and (t + 1) % eval_every == 0 and t + 1 < steps:
             evals.append({"step": t + 1, **task.evaluate(model)})
@@ -469,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="seeds for charlm (default: --seeds)")
     parser.add_argument("--steps", type=int, default=None, help="override steps for every task")
     parser.add_argument("--out", default=str(ROOT / "docs" / "img"))
+    parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                        help="learning rate: linear warm-up (--warmup steps) then cosine decay to 0, or constant")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--lr-every", type=int, default=25,
+                        help="steps between learning-rate changes (each new value retraces the deft step)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other tasks' runs already in <out>/convergence.json (re-run one task only)")
     args = parser.parse_args(argv)
@@ -480,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds = args.charlm_seeds if task == "charlm" and args.charlm_seeds is not None else args.seeds
         runs[task] = {}
         for seed in seeds:
-            cfg = {"task": task, "seed": seed, "steps": args.steps or DEFAULT_STEPS[task],
+            cfg = {"task": task, "seed": seed,
+                   "task_kwargs": {"schedule": args.schedule, "warmup": args.warmup, "lr_every": args.lr_every}, "steps": args.steps or DEFAULT_STEPS[task],
                    "eval_every": EVAL_EVERY[task], "variants": args.variants}
             t0 = time.perf_counter()
             results = run_local_workers(worker, 2, (cfg,), timeout_s=900)
@@ -508,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps[task] = old["steps"][task]
     summary = summarise(runs, args.variants)
     pngs = plot(runs, args.variants, out_dir)
-    record = {"commands": commands, "seeds": {t: sorted(runs[t]) for t in runs},
+    record = {"commands": commands, "schedule": {"schedule": args.schedule, "warmup": args.warmup,
+                                                 "lr_every": args.lr_every}, "seeds": {t: sorted(runs[t]) for t in runs},
               "variants": {k: VARIANTS[k] for k in args.variants}, "steps": steps,
               "summary": summary, "runs": runs, "pngs": pngs, "elapsed_s": time.perf_counter() - started}
     (out_dir / "convergence.json").write_text(json.dumps(record, indent=1))

@@ -12,7 +12,7 @@ stale gradient pushes momentum SGD past its stability edge:
 * ``deft-nopres``    deft, ``PreserverConfig(enabled=False)``: the plan delays
                      ~98 % of the gradient bytes for the whole run;
 * ``deft-pres``      deft with the Preserver on (the default ``PreserverConfig()``);
-* ``deft-pres-lossonly``  the Preserver with ``drift_threshold=inf``: only its
+* ``deft-pres-lossonly``  the Preserver with ``staleness_every=0``: only its
                      loss-window checks (falling behind / diverging) can act.
 
 The plan comes from the same synthetic slow-link profile as the convergence
@@ -45,8 +45,8 @@ STALE_VARIANTS: dict[str, tuple[dict | None, PreserverConfig | None]] = {
     "ddp": (None, None),
     "deft-nopres": (VARIANTS["deft-delay"], PreserverConfig(enabled=False)),
     "deft-pres": (VARIANTS["deft-delay"], PreserverConfig()),
-    # the Preserver with its drift signal switched off: only the loss-window checks can act
-    "deft-pres-lossonly": (VARIANTS["deft-delay"], PreserverConfig(drift_threshold=float("inf"))),
+    # the Preserver with its staleness error switched off: only the loss-window checks can act
+    "deft-pres-lossonly": (VARIANTS["deft-delay"], PreserverConfig(staleness_every=0)),
 }
 
 
