@@ -241,6 +241,8 @@ class CompiledStep:
         """
         if self.policy == "dssync" and self._process_group is not None:
             self._average_replicas()
+        if self.policy == "dlcp":
+            self._forget_empty_residuals()
         if not self._carry:
             return
         if self._last_call is None:
@@ -252,6 +254,18 @@ class CompiledStep:
         compiled = self._graphs.get(key) or self._compile(key, args, kwargs, phases, flush=True)
         self._run(compiled, [])
         self._accumulated = {}
+
+    def _forget_empty_residuals(self) -> None:
+        """DLCP carries a residual after every step with a deadline, zero when nothing was dropped. Flushing a
+        residual that is zero on every rank would still run an optimizer update (momentum moves the weights),
+        so such residuals are forgotten; ranks agree through one all-reduce of flags."""
+        keys = sorted(self._carry)
+        nonzero = torch.tensor([float(bool(self._carry[key].count_nonzero())) for key in keys], dtype=torch.float64)
+        if self._process_group is not None and keys:
+            dist.all_reduce(nonzero, op=dist.ReduceOp.MAX, group=self._process_group)
+        for key, flag in zip(keys, nonzero.tolist()):
+            if not flag:
+                del self._carry[key]
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, plan, profile and pending gradients (waited, so they can be saved)."""

@@ -35,4 +35,6 @@ def test_deadline_drops_within_the_bound_and_the_residual_is_exact(max_loss, mus
     for rank_report in results:
         assert rank_report["had_residual"] and rank_report["carry_after_flush"] == [], "flush() applies the residual"
         assert rank_report["replicas_equal_after_flush"]
+        # an all-zero residual (nothing dropped in the last step) must not cost an extra optimizer update
+        assert rank_report["flush_moved_weights"] == rank_report["residual_nonzero_somewhere"], rank_report
     assert [e["stats"] for e in results[0]["steps"]] == [e["stats"] for e in results[1]["steps"]], "same decision on every rank"

@@ -591,10 +591,14 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
             "residual_norm": residual.norm().item(),
         })
     had_residual = "acc:0" in step._carry
+    nonzero = torch.tensor(float(had_residual and bool(step._carry["acc:0"].count_nonzero())))
+    dist.all_reduce(nonzero, op=dist.ReduceOp.MAX)
+    before_flush = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     step.flush()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, src=0)
     return {"steps": report, "budget": step.plan.options["chunk_budget"], "chunks": step.plan.metadata["chunks"],
             "had_residual": had_residual, "carry_after_flush": sorted(step._carry),
+            "residual_nonzero_somewhere": bool(nonzero.item()), "flush_moved_weights": not torch.equal(before_flush, flat),
             "replicas_equal_after_flush": bool(torch.equal(flat, reference))}
