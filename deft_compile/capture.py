@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from deft_compile import ops
 from deft_compile.errors import LossError, TraceError
 from deft_compile.layout import GraphLayout
-from deft_compile.optim_support import traceable_optimizer
+from deft_compile.optim_support import lr_inputs, traceable_optimizer
 
 StateSlot = tuple[int, str]  # (parameter index, optimizer-state key)
 
@@ -147,6 +147,8 @@ def capture_step(
                 )
     user_tensors, user_constants, user_spec = split_user_inputs(args, kwargs)
     num_params, num_buffers, num_states = len(model_state.params), len(model_state.buffers), len(state_inputs)
+    learning_rates = lr_inputs(optimizer)
+    num_user = len(user_tensors)
     state_outputs: list[StateSlot] = []
     gradient_outputs: list[int] = []
     extra_state: dict[int, dict[str, Any]] = {}
@@ -156,7 +158,11 @@ def capture_step(
         params = list(flat[:num_params])
         buffers = flat[num_params : num_params + num_buffers]
         states = flat[num_params + num_buffers : num_params + num_buffers + num_states]
-        user = list(flat[num_params + num_buffers + num_states :])
+        user_start = num_params + num_buffers + num_states
+        user = list(flat[user_start : user_start + num_user])
+        # each group's lr as a symbolic float read from its graph input: derived values (AdamW's
+        # 1 - lr * wd, Adam's lr / bias_correction) are computed in the graph, not baked in
+        rates = [rate.item() for rate in flat[user_start + num_user :]]
         call_args, call_kwargs = join_user_inputs(user, user_constants, user_spec)
         tensors = dict(zip(model_state.param_names, params))
         tensors.update(zip(model_state.buffer_names, buffers))
@@ -184,7 +190,7 @@ def capture_step(
         for i, entries in _non_tensor_state(optimizer, model_state).items():
             initial[i].update(entries)
         state_input_ids = {id(t) for t in states}
-        with tracker.active("optimizer.step"), traceable_optimizer(optimizer, params, index_of, initial) as traced:
+        with tracker.active("optimizer.step"), traceable_optimizer(optimizer, params, index_of, initial, rates) as traced:
             optimizer.step()
             new_state = []
             for index, p in enumerate(params):
@@ -206,6 +212,7 @@ def capture_step(
     example += [b.detach() for b in model_state.buffers]
     example += [optimizer.state[model_state.params[i]][key] for i, key in state_inputs]
     example += list(user_tensors)
+    example += learning_rates
     try:
         with _compile_session(), tracker.hooks():
             graph_module = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
@@ -218,6 +225,7 @@ def capture_step(
         num_buffers=num_buffers,
         state_inputs=list(state_inputs),
         num_user_inputs=len(user_tensors),
+        num_lr_inputs=len(learning_rates),
         state_outputs=list(state_outputs),
         gradient_outputs=list(gradient_outputs),
     )

@@ -12,8 +12,9 @@ class GraphLayout:
     """What each graph input and output is, in order.
 
     Inputs: parameters, buffers, optimizer-state tensors (``state_inputs``),
-    ``num_user_inputs`` user tensors, then carries (``carry_inputs``: keys such
-    as ``pending:3`` or ``acc:3``).
+    ``num_user_inputs`` user tensors, ``num_lr_inputs`` learning rates (one
+    0-dim float64 tensor per param group, or none), then carries
+    (``carry_inputs``: keys such as ``pending:3`` or ``acc:3``).
     Outputs: the loss (unless ``has_loss`` is false), new optimizer-state
     tensors (``state_outputs``), the applied gradients (``gradient_outputs``,
     parameter indices), then carries (``carry_outputs``, keys).
@@ -25,6 +26,7 @@ class GraphLayout:
     num_user_inputs: int
     state_outputs: list[tuple[int, str]]
     gradient_outputs: list[int]
+    num_lr_inputs: int = 0
     carry_inputs: list[str] = field(default_factory=list)
     carry_outputs: list[str] = field(default_factory=list)
     has_loss: bool = True

@@ -32,6 +32,17 @@ SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adagrad,
 )
 
+# Optimizers whose learning rate enters the graph as an input (a 0-dim float64 tensor per param group,
+# read with .item() inside the trace), so an LR scheduler does not retrace. Checked against eager for
+# every one of them (tests/test_local.py); Adagrad's ``lr / (1 + (step - 1) * lr_decay)`` with a
+# symbolic lr traced to wrong numbers, so its lr stays a graph constant (a change retraces).
+LR_INPUT_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+)
+
 # Options forced while tracing; restored afterwards.
 _TRACE_OVERRIDES = {"foreach": False, "fused": False}
 _CAPTURABLE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
@@ -61,15 +72,29 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 )
 
 
-def hyperparameter_key(optimizer: torch.optim.Optimizer) -> tuple:
-    """A hashable fingerprint of every group's hyper-parameters.
+def lr_is_input(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the captured step takes each param group's learning rate as an input."""
+    return type(optimizer) in LR_INPUT_OPTIMIZERS
 
-    Hyper-parameters are baked into the graph as constants, so a change (an LR
-    scheduler step) must select or build another graph rather than reuse a
-    stale one.
+
+def lr_inputs(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The learning-rate inputs of a captured step: one 0-dim float64 tensor per param group (exact)."""
+    if not lr_is_input(optimizer):
+        return []
+    return [torch.tensor(float(group["lr"]), dtype=torch.float64) for group in optimizer.param_groups]
+
+
+def hyperparameter_key(optimizer: torch.optim.Optimizer) -> tuple:
+    """A hashable fingerprint of every group's hyper-parameters that are graph constants.
+
+    Those are baked into the graph, so a change must select or build another
+    graph rather than reuse a stale one. The learning rate is a graph input
+    where :func:`lr_is_input` says so, and then left out: an LR scheduler's
+    step reuses the graph.
     """
+    skip = {"params", "lr"} if lr_is_input(optimizer) else {"params"}
     return tuple(
-        tuple(sorted((k, _freeze(v)) for k, v in group.items() if k != "params"))
+        tuple(sorted((k, _freeze(v)) for k, v in group.items() if k not in skip))
         for group in optimizer.param_groups
     )
 
@@ -88,6 +113,7 @@ def traceable_optimizer(
     params: list[torch.Tensor],
     param_index: dict[torch.Tensor, int],
     state: dict[int, dict[str, Any]],
+    learning_rates: list[Any] | None = None,
 ) -> Iterator[dict[torch.Tensor, dict[str, Any]]]:
     """Point ``optimizer`` at traced tensors for the duration of a trace.
 
@@ -95,7 +121,9 @@ def traceable_optimizer(
     capture's order; ``param_index`` maps each live parameter to its position;
     ``state`` holds, per position, the optimizer state to start from. Yields the
     state dict keyed by the traced tensors, which the optimizer fills in place.
-    Everything is restored afterwards, even when tracing fails.
+    ``learning_rates`` (one per group, e.g. symbolic floats read from graph
+    inputs) replace the groups' ``lr``. Everything is restored afterwards, even
+    when tracing fails.
     """
     saved_groups = [dict(group) for group in optimizer.param_groups]
     saved_state = optimizer.state
@@ -108,6 +136,8 @@ def traceable_optimizer(
                     group[key] = value
             if isinstance(optimizer, _CAPTURABLE_OPTIMIZERS):
                 group["capturable"] = True
+        for group, lr in zip(optimizer.param_groups, learning_rates or []):
+            group["lr"] = lr
         for index, entries in state.items():
             traced_state[params[index]] = dict(entries)
         optimizer.state = traced_state

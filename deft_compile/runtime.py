@@ -33,7 +33,7 @@ from deft_compile.distributed import (
 )
 from deft_compile.dump import GraphDumper
 from deft_compile.errors import DeftError
-from deft_compile.optim_support import check_optimizer, hyperparameter_key
+from deft_compile.optim_support import check_optimizer, hyperparameter_key, lr_inputs
 from deft_compile.passes.schedule import ItemPhase, ScheduledItem, accumulator_key, pending_key
 from deft_compile.links import open_link
 from deft_compile.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
@@ -427,7 +427,8 @@ class CompiledStep:
         params = captured.model_state.params
         state = [self.optimizer.state[params[index]][key] for index, key in layout.state_inputs]
         carry = [self._carry[key] for key in layout.carry_inputs]
-        return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *carry]
+        rates = lr_inputs(self.optimizer)[: layout.num_lr_inputs]
+        return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *rates, *carry]
 
     def _run(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> torch.Tensor | None:
         layout = compiled.layout
