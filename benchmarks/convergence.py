@@ -498,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="learning rate: linear warm-up (--warmup steps) then cosine decay to 0, or constant")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--lr-every", type=int, default=25,
-                        help="steps between learning-rate changes (each new value retraces the deft step)")
+                        help="steps between learning-rate changes (25 reproduces docs/CONVERGENCE.md, measured when "
+                             "each new value still retraced; the lr is a graph input now, so 1 costs nothing)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other tasks' runs already in <out>/convergence.json (re-run one task only)")
     args = parser.parse_args(argv)
