@@ -84,6 +84,7 @@ import torch.nn.functional as F  # noqa: E402
 from convergence import ROOT, VARIANTS as CONVERGENCE_VARIANTS, DigitsTask, build_runner, slow_link_profile  # noqa: E402
 
 from deft_compile import DeftConfig, deft_compile  # noqa: E402
+from deft_compile.bench import eager_step, quantile  # noqa: E402
 from deft_compile.launcher import run_local_workers  # noqa: E402
 from deft_compile.preserver import PreserverConfig  # noqa: E402
 from deft_compile.solvers import dssync_partition  # noqa: E402
@@ -309,17 +310,6 @@ def digits_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
 # --------------------------------------------------------------------------- part 2: shaped link (worker)
 
 
-def _eager_runner(module: nn.Module, optimizer: torch.optim.Optimizer):
-    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(module(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return run
-
-
 def _allreduce_ms(group: Any, nbytes: int, repeats: int) -> float:
     """Median over ``repeats`` of the slowest rank's all-reduce time of ``nbytes`` over ``group``; every rank of the
     world starts together (a world barrier first), so disjoint groups run at the same time, as DS-Sync's pairs do."""
@@ -336,16 +326,11 @@ def _allreduce_ms(group: Any, nbytes: int, repeats: int) -> float:
 
 
 def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    from policies import _ForeignLoad, make_optimizer, vgg
+    from policies import _ForeignLoad, make_optimizer, vgg_setup
 
     from deft_compile.artifacts import plan_cycle
 
-    torch.manual_seed(0)
-    base = vgg(cfg["width"], cfg["fc"], cfg["image"])
-    data = torch.Generator().manual_seed(1000 + rank)
-    inputs = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"], generator=data)
-    targets = torch.randint(0, 10, (cfg["batch"],), generator=data)
-    total_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    base, inputs, targets, total_bytes = vgg_setup(rank, cfg)
     solo = [dist.new_group([r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes every one
 
     # The link before training: an all-reduce of every gradient over all 4 ranks, and over DS-Sync's pairs with both
@@ -373,8 +358,8 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
             runners[name] = deft_compile(model, optimizer, F.cross_entropy, policy="wfbp", process_group=solo)
             steps_of[name] = runners[name]
         elif name == "ddp":
-            runners[name] = _eager_runner(nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"]),
-                                          optimizer)
+            runners[name] = eager_step(
+                nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"]), optimizer, F.cross_entropy)
         elif name in ("deft", "deft-K"):  # deft: delays only; deft-K: update periods allowed too (the solver's default)
             options = {"allow_period": False} if name == "deft" else {}
             config = DeftConfig(plan_options=options, preserver=PreserverConfig(enabled=False), **caps)
@@ -568,7 +553,7 @@ def summarise_shaped(value: dict[str, Any], variants: list[str]) -> dict[str, An
         row = {"ms_per_step": per_step[name], "blocks": len(means[name]), "steps": len(value["samples_ms"][name]),
                "block_means_ms": means[name], "cycle": value["cycles"][name],
                "step_median_ms": statistics.median(value["samples_ms"][name]),
-               "p10_ms": _quantile(value["samples_ms"][name], 0.1), "p90_ms": _quantile(value["samples_ms"][name], 0.9),
+               "p10_ms": quantile(value["samples_ms"][name], 0.1), "p90_ms": quantile(value["samples_ms"][name], 0.9),
                "foreign_cores_mean": statistics.fmean(value["foreign_cores"][name])}
         if "ddp" in per_step:
             row["vs_ddp"] = per_step[name] / per_step["ddp"]
@@ -582,14 +567,6 @@ def summarise_shaped(value: dict[str, Any], variants: list[str]) -> dict[str, An
                        **dlcp_summary(d["stats"], d["chunks"]))
         rows[name] = row
     return rows
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 # --------------------------------------------------------------------------- report and plot

@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import ROOT, DigitsTask, plan_summary  # noqa: E402
 
 from deft_compile import DeftConfig, deft_compile  # noqa: E402
+from deft_compile.bench import eager_step  # noqa: E402
 from deft_compile.launcher import run_local_workers  # noqa: E402
 from deft_compile.netns import ShapedLoopback, TwoHostLinks, check_prerequisites  # noqa: E402
 from deft_compile.preserver import PreserverConfig  # noqa: E402
@@ -71,17 +72,6 @@ def mlp(inputs: int, width: int, depth: int, classes: int = 10) -> nn.Sequential
         size = width
     layers.append(nn.Linear(size, classes))
     return nn.Sequential(*layers)
-
-
-def _eager(module: nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
-    def run(inputs, targets):
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(module(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return run
 
 
 def timed_rounds(runners: dict[str, Callable], batch_of: Callable[[str], tuple], cfg: dict[str, Any]) -> dict[str, list[float]]:
@@ -137,7 +127,8 @@ def two_links_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
         model = copy.deepcopy(base)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if name == "ddp":
-            runners[name] = _eager(nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"]), optimizer)
+            runners[name] = eager_step(
+                nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"]), optimizer, F.cross_entropy)
         else:
             links = ("gloo:link2",) if name == "deft-2links" else ()
             step = deft_compile(model, optimizer, F.cross_entropy, policy="deft",
@@ -185,7 +176,7 @@ def period_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
         models[name] = model
         cursor[name] = 0
         if name == "ddp":
-            runners[name] = _eager(nn.parallel.DistributedDataParallel(model), optimizer)
+            runners[name] = eager_step(nn.parallel.DistributedDataParallel(model), optimizer, F.cross_entropy)
         else:
             preserver = PreserverConfig() if name == "deft" else PreserverConfig(enabled=False)
             step = deft_compile(model, optimizer, F.cross_entropy, policy="deft", config=DeftConfig(preserver=preserver))

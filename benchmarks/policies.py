@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deft_compile import DeftConfig, deft_compile
+from deft_compile.bench import eager_step, quantile
 from deft_compile.launcher import run_local_workers
 from deft_compile.netns import ShapedLoopback, check_prerequisites
 from deft_compile.plan import Plan, Profile
@@ -125,15 +125,20 @@ class _ForeignLoad:
         self.cores = max(0.0, foreign / self.tick / wall) if wall > 0 else 0.0
 
 
-def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    if cfg["nice"] is not None:
-        _renice(cfg["nice"])
+def vgg_setup(rank: int, cfg: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, torch.Tensor, int]:
+    """The benchmark's VGG-style model (seed 0, the same on every rank), this rank's fixed batch, gradient bytes."""
     torch.manual_seed(0)
     base = vgg(cfg["width"], cfg["fc"], cfg["image"])
     data = torch.Generator().manual_seed(1000 + rank)
     inputs = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"], generator=data)
     targets = torch.randint(0, 10, (cfg["batch"],), generator=data)
-    total_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    return base, inputs, targets, sum(p.numel() * p.element_size() for p in base.parameters())
+
+
+def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    if cfg["nice"] is not None:
+        _renice(cfg["nice"])
+    base, inputs, targets, total_bytes = vgg_setup(rank, cfg)
     # Every rank creates every one-rank group (new_group is collective); each uses its own.
     solo = [dist.new_group([r]) for r in range(world_size)][rank]
 
@@ -149,10 +154,10 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         model = copy.deepcopy(base)
         optimizer = make_optimizer(model)
         if name == "eager":
-            runners[name] = _eager(model, optimizer, model)
+            runners[name] = eager_step(model, optimizer, F.cross_entropy)
         elif name == "ddp":
             ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
-            runners[name] = _eager(ddp, optimizer, model)
+            runners[name] = eager_step(ddp, optimizer, F.cross_entropy)
         elif name == "floor":
             step = deft_compile(model, optimizer, F.cross_entropy, policy="wfbp", process_group=solo)
             assert step.world_size == 1, "a one-rank group must mean local training"
@@ -244,17 +249,6 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _eager(module: nn.Module, optimizer: torch.optim.Optimizer, model: nn.Module):
-    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(module(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return run
-
-
 # --------------------------------------------------------------------------- report (parent)
 
 
@@ -287,8 +281,8 @@ def analyse(value: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
             "foreign_cores": value["foreign_cores"][name],
             "warmup_foreign_cores": value["warmup_foreign_cores"][name],
             "mean_ms": statistics.fmean(samples[name]),
-            "p10_ms": _quantile(samples[name], 0.1),
-            "p90_ms": _quantile(samples[name], 0.9),
+            "p10_ms": quantile(samples[name], 0.1),
+            "p90_ms": quantile(samples[name], 0.9),
             "vs_floor": median[name] / floor if floor else None,
             "vs_ddp": median[name] / ddp if ddp else None,
             "warmup_s": value["warmup_s"][name],
@@ -375,14 +369,6 @@ def _paired(samples: dict[str, list[float]], name: str, baseline: str, block: in
     ratios = [statistics.median(ours[i:i + block]) / statistics.median(theirs[i:i + block])
               for i in range(0, min(len(ours), len(theirs)), block)]
     return statistics.median(ratios) if ratios else None
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def print_report(value: dict[str, Any], report: dict[str, Any], cfg: dict[str, Any], elapsed: float) -> None:

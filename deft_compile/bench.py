@@ -21,7 +21,8 @@ needs root and iproute2. Every namespace this process made is deleted when a
 run ends, fails or is interrupted (Ctrl-C), see ``deft_compile.netns``.
 
 Timing: ``--warmup`` discarded steps per variant (tracing, profiling, the
-first graph), then ``--rounds`` rounds; each round runs one block per variant
+first graph), more for a compiled plan until one whole update-period cycle
+has run without capturing a new graph, then ``--rounds`` rounds; each round runs one block per variant
 in a rotated order, each block a barrier, one untimed step and the timed steps.
 A step's time is the slowest rank's. Reported per variant: median step ms,
 ratio to the floor and to DDP (medians of the same run), the *paired* ratio to
@@ -43,7 +44,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 MiB = 1 << 20
 POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync")
@@ -66,7 +67,10 @@ STAT_NOTE = (
 # --------------------------------------------------------------------------- worker
 
 
-def _eager_step(module: Any, optimizer: Any, loss_fn: Any):
+def eager_step(module: Any, optimizer: Any, loss_fn: Any):
+    """An eager training step (zero_grad, loss, backward, step) returning the detached loss: the DDP and floor
+    baselines of every benchmark. ``loss_fn(module(inputs), targets)``, or ``module(*args)`` without one."""
+
     def run(*args: Any, **kwargs: Any) -> Any:
         optimizer.zero_grad(set_to_none=True)
         if loss_fn is not None:
@@ -79,6 +83,31 @@ def _eager_step(module: Any, optimizer: Any, loss_fn: Any):
         return loss.detach()
 
     return run
+
+
+def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any) -> None:
+    """Warm up a plan with an update period further, until one whole cycle runs without capturing a graph.
+
+    With a period K the first cycles meet new graph variants (a phase with an accumulator carried in,
+    for example); timing those steps would time compilation. Every rank takes the same decision (one
+    all-reduce of a flag per step), so collectives stay matched. Bounded: at most 4 cycles + 4 steps.
+    """
+    if plan is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    from deft_compile.artifacts import plan_cycle
+
+    cycle, quiet, extra = plan_cycle(plan), 0, 0
+    if cycle <= 1:  # no period: the graphs of the warm-up are final (and DDP-equal runs keep equal step counts)
+        return
+    while quiet < cycle and extra < 4 * cycle + 4:
+        _, retraced = call(name)
+        extra += 1
+        flag = torch.tensor([1.0 if retraced else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        quiet = 0 if flag.item() else quiet + 1
 
 
 def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +138,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         optimizer = preset.optimizer(model)
         models[name] = model
         if name == "ddp":
-            runners[name] = _eager_step(nn.parallel.DistributedDataParallel(model), optimizer, preset.loss_fn)
+            runners[name] = eager_step(nn.parallel.DistributedDataParallel(model), optimizer, preset.loss_fn)
         elif name == "floor":
             step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo)
             if step.world_size != 1:
@@ -152,6 +181,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         started = time.perf_counter()
         for _ in range(cfg["warmup"]):
             call(name)
+        _settle(name, call, getattr(runners[name], "plan", None))
         warmup_s[name] = time.perf_counter() - started
 
     names = list(runners)
@@ -312,7 +342,8 @@ def network(bandwidth: str | None, links: int, workers: int, bandwidth2: str | N
 # --------------------------------------------------------------------------- analysis
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` with linear interpolation (numpy's default)."""
     ordered = sorted(values)
     position = q * (len(ordered) - 1)
     low = math.floor(position)
@@ -357,8 +388,8 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
             "step_ms": step.get(name),
             "median_ms": statistics.median(kept) if kept else None,
             "mean_ms": statistics.fmean(kept) if kept else None,
-            "p10_ms": _quantile(kept, 0.1) if kept else None,
-            "p90_ms": _quantile(kept, 0.9) if kept else None,
+            "p10_ms": quantile(kept, 0.1) if kept else None,
+            "p90_ms": quantile(kept, 0.9) if kept else None,
             "vs_floor": step[name] / floor if floor and name in step else None,
             "vs_ddp": step[name] / ddp if ddp and name in step else None,
             "speedup_vs_ddp": ddp / step[name] if ddp and name in step else None,
