@@ -32,26 +32,46 @@ def main() -> None:
     parser.add_argument("--mode", choices=["sync", "half", "all"], required=True)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--compensation", type=float, default=0.0,
+                        help="DC-ASGD delay compensation λ: apply g + λ·g⊙g⊙(w_t − w_{t−1}) instead of the stale g "
+                             "(an experiment outside DESIGN.md §4's semantics; 0 = off)")
+    parser.add_argument("--delayed-beta1", type=float, default=None,
+                        help="AdamW β1 for the delayed parameters only (an experiment: less momentum to offset "
+                             "the momentum that staleness adds); default: the same as the others (0.9)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = convergence.CharLMTask(lr=args.lr)
     torch.manual_seed(0)
     model = task.make_model()
-    optimizer = task.make_optimizer(model)
     halves = [task.batches(0, rank, 2, args.steps) for rank in (0, 1)]
     names = {p: n for n, p in model.named_parameters()}
     delayed = [p for p in model.parameters() if args.mode == "all" or (args.mode == "half" and names[p] in HALF)]
+    if args.delayed_beta1 is None:
+        optimizer = task.make_optimizer(model)
+    else:
+        others = [p for p in model.parameters() if all(p is not d for d in delayed)]
+        optimizer = torch.optim.AdamW([{"params": others}, {"params": delayed, "betas": (args.delayed_beta1, 0.999)}],
+                                      lr=args.lr, weight_decay=0.01)
     pending: dict[torch.Tensor, torch.Tensor] = {}
+    weights_then: dict[torch.Tensor, torch.Tensor] = {}  # w_{t-1}: the weights the pending gradient was computed at
     for t in range(args.steps):
         optimizer.zero_grad()
         for inputs, targets in (halves[0][t], halves[1][t]):
             (task.loss_fn(model(inputs), targets) / 2).backward()
         fresh = {p: p.grad.clone() for p in delayed}
         for p in delayed:
-            p.grad = pending[p].clone() if p in pending else None
+            if p not in pending:
+                p.grad = None
+            elif args.compensation:
+                stale = pending[p]
+                p.grad = stale + args.compensation * stale * stale * (p.detach() - weights_then[p])
+            else:
+                p.grad = pending[p].clone()
         pending = fresh
+        weights_then = {p: p.detach().clone() for p in delayed}
         optimizer.step()
-    print(args.mode, args.lr, task.evaluate(model))
+    print(args.mode, args.lr, f"compensation {args.compensation:g}", f"delayed beta1 {args.delayed_beta1}",
+          task.evaluate(model))
 
 
 if __name__ == "__main__":
