@@ -21,6 +21,8 @@ oversubscribed and every timing is a ratio measured in the same run):
                 the delays stay in the plan all run, as in docs/CONVERGENCE.md's ``deft-delay``);
   - ``deft-K``  the same with update periods allowed (comm/compute 2.0: CONVERGENCE.md's ``deft-delay-K``);
   - ``dssync``  ``policy="dssync"``, ``group_size=2`` of 4, regrouped every step (``shuffle_every=1``);
+  - ``dssync-params``  the same with ``average="parameters"``: local steps, then the pair averages its
+                parameters (model averaging) instead of its gradients;
   - ``dlcp``    ``policy="dlcp"`` planned on the same kind of synthetic profile with a deadline of
                 ``--dlcp-deadline`` × the profile's time for an all-reduce of every gradient, so it
                 drops chunks (``--dlcp-max-loss`` bounds the dropped squared-gradient mass per step).
@@ -90,9 +92,9 @@ from deft_compile.preserver import PreserverConfig  # noqa: E402
 from deft_compile.solvers import dssync_partition  # noqa: E402
 
 WORLD = 4
-DIGITS_VARIANTS = ("ddp", "deft", "deft-K", "dssync", "dlcp")
+DIGITS_VARIANTS = ("ddp", "deft", "deft-K", "dssync", "dssync-params", "dlcp")
 DEFT_DIGITS = {"deft": "deft-delay", "deft-K": "deft-delay-K"}  # benchmarks/convergence.py VARIANTS
-SHAPED_VARIANTS = ("floor", "ddp", "deft", "deft-K", "dssync", "dlcp")
+SHAPED_VARIANTS = ("floor", "ddp", "deft", "deft-K", "dssync", "dssync-params", "dlcp")
 
 
 # --------------------------------------------------------------------------- shared helpers (in the workers)
@@ -214,8 +216,9 @@ def digits_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
         if name in DEFT_DIGITS:
             run, step = build_runner(task, CONVERGENCE_VARIANTS[DEFT_DIGITS[name]], model, optimizer, batches[0],
                                      world_size, PreserverConfig(enabled=False))
-        elif name == "dssync":
-            options = {"group_size": cfg["group_size"], "shuffle_every": cfg["shuffle_every"], "seed": seed}
+        elif name in ("dssync", "dssync-params"):
+            options = {"group_size": cfg["group_size"], "shuffle_every": cfg["shuffle_every"], "seed": seed,
+                       "average": "parameters" if name == "dssync-params" else "gradients"}
             step = deft_compile(model, optimizer, task.loss_fn, policy="dssync",
                                 config=DeftConfig(plan_options=options, **task.bucket_caps))
         elif name.startswith("dlcp-"):
@@ -269,7 +272,7 @@ def digits_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
     for name in names:
         step = steps_of.get(name)
         entry: dict[str, Any] = {}
-        if name == "dssync":
+        if name.startswith("dssync"):
             identical, spread = _replica_spread(models[name], world_size)
             entry["before_flush"] = {"replicas_identical": identical, "max_abs_diff": spread}
         if rank == 0:  # rank 0's replica before flush() (for dssync: one replica of its last group)
@@ -364,8 +367,9 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
             options = {"allow_period": False} if name == "deft" else {}
             config = DeftConfig(plan_options=options, preserver=PreserverConfig(enabled=False), **caps)
             runners[name] = steps_of[name] = deft_compile(model, optimizer, F.cross_entropy, policy="deft", config=config)
-        elif name == "dssync":
-            options = {"group_size": cfg["group_size"], "shuffle_every": 1, "seed": 0}
+        elif name in ("dssync", "dssync-params"):
+            options = {"group_size": cfg["group_size"], "shuffle_every": 1, "seed": 0,
+                       "average": "parameters" if name == "dssync-params" else "gradients"}
             runners[name] = steps_of[name] = deft_compile(model, optimizer, F.cross_entropy, policy="dssync",
                                                           config=DeftConfig(plan_options=options, **caps))
             warmups[name] = max(cfg["warmup"], _dssync_warmup(world_size, cfg["group_size"], 0, 1) + 1)
@@ -510,7 +514,7 @@ def summarise_digits(runs: dict[int, dict[str, Any]], variants: list[str], skip_
                       "accuracy_before_flush": statistics.fmean(before),
                       "mean_step_ms_per_seed": means, "median_step_ms_per_seed": medians,
                       "replicas_identical_after_flush": [e["after_flush"]["replicas_identical"] for e in per_seed]}
-        if name == "dssync":
+        if name.startswith("dssync"):
             rows[name]["before_flush_max_abs_diff"] = [e["before_flush"]["max_abs_diff"] for e in per_seed]
             if all(e.get("track") for e in per_seed):
                 rows[name]["relative_distance_to_mean"] = {

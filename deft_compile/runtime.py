@@ -95,7 +95,8 @@ class CompiledStep:
         self._monitor: PreserverMonitor | None = None
         self._recorder: MeasuredTimelineRecorder | None = None
         self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        self._step_group: CommGroup | None = None  # DS-Sync: this step's group
+        self._step_group: CommGroup | None = None  # DS-Sync: the group this step's items use
+        self._dssync_group: dist.ProcessGroup | None = None  # DS-Sync: this rank's group for this step
         self.plan_history: list[dict[str, Any]] = []
         self.last_stats: dict[str, list[float]] = {}  # DLCP: per item [chunks sent, dropped mass fraction]
         self.step_count = 0
@@ -144,6 +145,8 @@ class CompiledStep:
         if self._monitor is not None:
             self._monitor.before_step()
         outputs = self._timed_run(compiled, user_tensors)
+        if self.policy == "dssync" and self._dssync_group is not None and self.plan.options.get("average") == "parameters":
+            self._average_over(self._dssync_group)  # DS-Sync by model averaging: the group ends the step as one model
         for item in self._items:
             if item.period > 1:
                 self._accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
@@ -155,7 +158,10 @@ class CompiledStep:
 
     # -- DS-Sync ----------------------------------------------------------------
     def _enter_dssync_group(self) -> None:
-        """Point this step's items (and the buffer broadcast) at this rank's DS-Sync group for this step."""
+        """Point this step's items (and the buffer broadcast) at this rank's DS-Sync group for this step.
+
+        With ``average="parameters"`` the step's gradients stay local (its items go to a one-rank group)
+        and the group averages parameters and buffers after the step instead (``_dssync_group``)."""
         options = self.plan.options
         partition = dssync_partition(
             self.world_size, options["group_size"], self.step_count, seed=options["seed"], shuffle_every=options["shuffle_every"]
@@ -163,25 +169,47 @@ class CompiledStep:
         members = dist.get_process_group_ranks(self._process_group)
         mine = None
         for group in partition:  # every rank creates every group of the partition, in the same order
-            global_ranks = tuple(members[r] for r in group)
-            if global_ranks not in self._subgroups:
-                self._subgroups[global_ranks] = dist.new_group(list(global_ranks))
+            process_group = self._subgroup(tuple(members[r] for r in group))
             if self.comm_group.rank in group:
-                mine = self._subgroups[global_ranks]
-        self._step_group = CommGroup(name=mine.group_name, rank=dist.get_rank(mine), world_size=dist.get_world_size(mine))
+                mine = process_group
+        self._dssync_group = mine
+        comm = mine
+        if options.get("average", "gradients") == "parameters":
+            solos = [self._subgroup((member,)) for member in members]  # every rank creates every one, in order
+            comm = solos[self.comm_group.rank]
+        self._step_group = CommGroup(name=comm.group_name, rank=dist.get_rank(comm), world_size=dist.get_world_size(comm))
         self._items = [
             dataclasses.replace(item, group_name=self._step_group.name, world_size=self._step_group.world_size)
             for item in self._items
         ]
 
+    def _subgroup(self, global_ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        """The process group of these ranks, created on first use (``new_group`` is collective: every rank
+        must ask for the same groups in the same order)."""
+        if global_ranks not in self._subgroups:
+            self._subgroups[global_ranks] = dist.new_group(list(global_ranks))
+        return self._subgroups[global_ranks]
+
+    def _average_over(self, group: dist.ProcessGroup) -> int:
+        """Average every floating-point parameter and buffer over ``group``; returns how many tensors."""
+        size = dist.get_world_size(group)
+        tensors = [t for t in [*self.model.parameters(), *self.model.buffers()] if t.is_floating_point()]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        with torch.no_grad():
+            for same in by_dtype.values():  # one all-reduce per dtype, not one per tensor
+                flat = torch.cat([t.reshape(-1) for t in same])
+                dist.all_reduce(flat, group=group)
+                flat.div_(size)
+                for tensor, value in zip(same, flat.split([t.numel() for t in same])):
+                    tensor.copy_(value.view_as(tensor))
+        return len(tensors)
+
     def _average_replicas(self) -> None:
         """DS-Sync's global average: after it every rank holds the same parameters and buffers."""
-        tensors = [t for t in [*self.model.parameters(), *self.model.buffers()] if t.is_floating_point()]
-        with torch.no_grad():
-            for tensor in tensors:
-                dist.all_reduce(tensor, group=self._process_group)
-                tensor.div_(self.world_size)
-        log.info("DS-Sync: averaged %d parameter and buffer tensors over all %d ranks", len(tensors), self.world_size)
+        count = self._average_over(self._process_group)
+        log.info("DS-Sync: averaged %d parameter and buffer tensors over all %d ranks", count, self.world_size)
 
     def _timed_run(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> torch.Tensor | None:
         """Run the step; with a dump folder, record a measured timeline of a few steps (``DEFT_DUMP_MEASURE_STEP``)."""

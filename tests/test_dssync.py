@@ -22,12 +22,19 @@ def test_partition_is_a_seeded_shuffle_of_disjoint_groups():
         dssync_partition(6, 4, 0)
 
 
-def test_dssync_averages_within_the_planned_group_and_flush_restores_one_model():
-    results = [r.value for r in run_local_workers(dssync_run, 4, (6,), timeout_s=300)]
+@pytest.mark.parametrize("average", ["gradients", "parameters"])
+def test_dssync_averages_within_the_planned_group_and_flush_restores_one_model(average):
+    """Gradients: the graph's all-reduces use exactly the step's group. Parameters: the graph communicates
+    nothing (gradients stay local) and the group's members hold one model after every step. Both equal an
+    eager reference of the same semantics every step."""
+    results = [r.value for r in run_local_workers(dssync_run, 4, (6, average), timeout_s=300)]
     for rank, report in enumerate(results):
         for entry in report["steps"]:
-            assert entry["members"] == [entry["expected"]], f"rank {rank} step {entry['step']}: wrong group"
+            assert entry["members"] == entry["expected"], f"rank {rank} step {entry['step']}: wrong group"
             assert entry["max_abs"] == 0.0, f"rank {rank} step {entry['step']}: differs from the reference"
+        same = [entry["same_in_group"] for entry in report["steps"]]
+        # gradient averaging: equal after the first step (same start, same gradient), then members differ
+        assert all(same) if average == "parameters" else not all(same[1:]), same
     # Groups differ, so replicas differ before the global average ...
     assert any(
         not torch.equal(a, b) for a, b in zip(results[0]["before_flush"], results[1]["before_flush"])

@@ -488,8 +488,9 @@ def dumped_deft_run(rank: int, world_size: int, dump_dir: str, steps: int) -> di
     return {"plan_hash": step.plan.hash(), "code": step.graph.graph_module.code, "traces": step.trace_count}
 
 
-def dssync_run(rank: int, world_size: int, steps: int) -> dict:
-    """DS-Sync on 4 ranks against an eager reference that averages within the same groups."""
+def dssync_run(rank: int, world_size: int, steps: int, average: str = "gradients") -> dict:
+    """DS-Sync on 4 ranks against an eager reference that averages (gradients, or parameters after a
+    local step) within the same groups."""
     import re as _re
 
     import torch.distributed as dist
@@ -502,7 +503,7 @@ def dssync_run(rank: int, world_size: int, steps: int) -> dict:
     ref_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
     ref_optimizer, deft_optimizer = make_optimizer(ref_model), make_optimizer(deft_model)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="dssync",
-                        config=DeftConfig(plan_options={"group_size": 2, "seed": 7}))
+                        config=DeftConfig(plan_options={"group_size": 2, "seed": 7, "average": average}))
     data = torch.Generator().manual_seed(1234 + rank)
     reference_groups: dict[tuple, object] = {}
     report = []
@@ -524,12 +525,27 @@ def dssync_run(rank: int, world_size: int, steps: int) -> dict:
         torch.manual_seed(100 * rank + t)
         ref_optimizer.zero_grad(set_to_none=True)
         loss_fn(ref_model(inputs), targets).backward()
-        for p in ref_model.parameters():
-            p.grad = p.grad * 0.5
-            dist.all_reduce(p.grad, group=reference_groups[mine])
+        if average == "gradients":
+            for p in ref_model.parameters():
+                p.grad = p.grad * 0.5
+                dist.all_reduce(p.grad, group=reference_groups[mine])
         ref_optimizer.step()
+        if average == "parameters":
+            with torch.no_grad():
+                for tensor in [*ref_model.parameters(), *ref_model.buffers()]:
+                    if tensor.is_floating_point():
+                        dist.all_reduce(tensor, group=reference_groups[mine])
+                        tensor.div_(2)
+        group_params = [p.detach().clone() for p in deft_model.parameters()]
+        partner = [torch.zeros_like(p) for p in group_params]
+        # the other member of my group holds the same parameters after a parameters-averaging step
+        for mine_p, other in zip(group_params, partner):
+            other.copy_(mine_p)
+            dist.all_reduce(other, group=reference_groups[mine])
+        same_in_group = all(torch.equal(o, 2 * m) for o, m in zip(partner, group_params))
         diff = max((a - b).abs().max().item() for a, b in zip(deft_model.parameters(), ref_model.parameters()))
-        report.append({"step": t, "members": members, "expected": list(mine), "max_abs": diff})
+        report.append({"step": t, "members": members, "expected": [list(mine)] if average == "gradients" else [],
+                       "max_abs": diff, "same_in_group": same_in_group})
     before_flush = [p.detach().clone() for p in deft_model.parameters()]
     step.flush()
     return {"steps": report, "before_flush": before_flush,
