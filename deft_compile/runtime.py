@@ -89,6 +89,7 @@ class CompiledStep:
         self._carry: dict[str, torch.Tensor] = {}  # tensors crossing the step boundary, by key
         self._accumulated: dict[int, int] = {}  # local gradients summed so far, per periodic item
         self._last_call: tuple[tuple, dict] | None = None
+        self._planning_capture: CapturedStep | None = None
         self._verified_signature: list | None = None
         self._index: ProfileIndex | None = None
         self._groups: list[CommGroup] = []
@@ -132,7 +133,7 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
         if self.comm_group is not None and not self._items:
-            self._plan_from(args, kwargs)
+            self._plan_from(args, kwargs)  # keeps its capture for this call's compile (_planning_capture)
         if self.policy == "dssync" and self.comm_group is not None:
             self._enter_dssync_group()
         phases = self._phases(flush=False)
@@ -150,6 +151,7 @@ class CompiledStep:
         for item in self._items:
             if item.period > 1:
                 self._accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
+        self._planning_capture = None  # valid only for the call that planned
         self._last_call = (args, kwargs)
         self.step_count += 1
         if self._monitor is not None:
@@ -372,7 +374,10 @@ class CompiledStep:
 
     def _compile(self, key: tuple, args: tuple, kwargs: dict, phases: dict[int, ItemPhase], *, flush: bool) -> CompiledGraph:
         started = time.perf_counter()
-        captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
+        captured = self._planning_capture if self._planning_capture is not None and not flush else None
+        self._planning_capture = None
+        if captured is None:
+            captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
         group = self._step_group or self.comm_group
@@ -430,6 +435,8 @@ class CompiledStep:
             self._record_plan("initial plan")
         if self.policy == "deft" and self.config.preserver.enabled and self._monitor is None:
             self._monitor = PreserverMonitor(self, self._new_preserver())
+        # The same arguments and optimizer state are compiled right after planning: capture once, not twice.
+        self._planning_capture = captured
 
     def _new_preserver(self) -> Preserver:
         options = self._solver_options()

@@ -73,3 +73,11 @@ def test_dump_describes_the_graph_that_ran(case_report):
 
 def _op_sequence(code: str) -> list[str]:
     return re.findall(r"torch\.ops\.[\w.]+(?=\()", code)
+
+
+def test_the_first_step_traces_once():
+    """Planning (profile, plan) and compiling the first step share one capture, and the graph is reused."""
+    from workers import capture_counts
+
+    for result in run_local_workers(capture_counts, 2, timeout_s=120):
+        assert result.value == [1, 1, 1]

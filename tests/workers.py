@@ -82,6 +82,30 @@ def _tiny_step(hidden: int, **config):
     return step
 
 
+def capture_counts(rank: int, world_size: int) -> list[int]:
+    """How many times the step has been traced after each of 3 steps (SGD without momentum: no optimizer
+    state, so one graph serves every step)."""
+    import deft_compile.runtime as runtime
+
+    calls = []
+    original = runtime.capture_step
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    runtime.capture_step = counting
+    try:
+        step = _tiny_step(8)
+        counts = []
+        for _ in range(3):
+            step(torch.randn(4, 4), torch.randn(4, 1))
+            counts.append(len(calls))
+        return counts
+    finally:
+        runtime.capture_step = original
+
+
 def mismatched_models(rank: int, world_size: int) -> str:
     """Rank 1 builds a wider hidden layer; construction must refuse before any broadcast."""
     try:
