@@ -39,8 +39,10 @@ The decision logic here is pure Python; the runtime measures and applies it.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +143,7 @@ class Preserver:
     def __post_init__(self) -> None:
         self._errors: dict[tuple[str, ...], list[float]] = {}
         self.pinned: set[str] = set()
+        self._pinned_staleness: dict[tuple[str, ...], float] = {}
         self.staleness_log: list[tuple[int, dict[str, float]]] = []  # every measurement: (step, {names: error})
         self._best_loss: float | None = None
         self._harmful_windows = 0
@@ -170,9 +173,29 @@ class Preserver:
     def options(self) -> dict[str, Any]:
         """Solver options of the current level, with the pinned parameters kept synchronous."""
         options = dict(self._ladder[self.level][1])
-        if self.pinned:
-            options["keep_synchronous"] = sorted(set(options.get("keep_synchronous", ())) | self.pinned)
+        if self.pinned:  # names, escaped so the solver's fnmatch matches them literally
+            pinned = {re.sub(r"([\[\]*?])", r"[\1]", name) for name in self.pinned}
+            options["keep_synchronous"] = sorted(set(options.get("keep_synchronous", ())) | pinned)
         return options
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue this Preserver's decisions (saved by ``CompiledStep.state_dict``)."""
+        return {
+            "level": self.level,
+            "pinned": sorted(self.pinned),
+            "pinned_staleness": [[list(names), s] for names, s in sorted(self._pinned_staleness.items())],
+            "errors": [[list(names), list(values)] for names, values in sorted(self._errors.items())],
+            "best_loss": self._best_loss,
+            "harmful_windows": self._harmful_windows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.level = min(int(state["level"]), len(self._ladder) - 1)
+        self.pinned = set(state["pinned"])
+        self._pinned_staleness = {tuple(names): float(s) for names, s in state["pinned_staleness"]}
+        self._errors = {tuple(names): [float(v) for v in values] for names, values in state["errors"]}
+        self._best_loss = state["best_loss"]
+        self._harmful_windows = int(state["harmful_windows"])
 
     @property
     def exhausted(self) -> bool:
@@ -207,22 +230,42 @@ class Preserver:
                                      "metrics": metrics})
         return event
 
-    def observe_staleness(self, step: int, errors: dict[tuple[str, ...], float]) -> PreserverEvent | None:
-        """Staleness errors of every bucket (keyed by its parameter names): pin stale buckets that err too
-        much, and release pinned ones whose error fell under ``staleness_threshold × release_ratio``."""
-        self.staleness_log.append((step, {"+".join(names): error for names, error in errors.items()}))
+    def observe_staleness(
+        self, step: int, errors: dict[tuple[str, ...], float | tuple[float, float]]
+    ) -> PreserverEvent | None:
+        """Staleness errors of every bucket, keyed by its parameter names: the relative gradient change of one
+        step, with the bucket's mean staleness in steps under the current plan (``(error, staleness)``; a bare
+        number means staleness 1). Pins stale buckets whose median error × staleness exceeds
+        ``staleness_threshold``, and releases pinned ones whose median falls under ``staleness_threshold ×
+        release_ratio``, judged with the staleness they had when pinned (a pinned bucket's own staleness is 1;
+        judging it by that would release and re-pin the same bucket over and over)."""
+        scaled = {}
+        for names, value in errors.items():
+            error, staleness = value if isinstance(value, tuple) else (value, 1.0)
+            scaled[names] = error * self._pinned_staleness.get(names, staleness)
+        self.staleness_log.append((step, {"+".join(names): error for names, error in scaled.items()}))
         window = self.config.staleness_window
-        for names, error in errors.items():
+        for names, error in scaled.items():
             self._errors[names] = (self._errors.get(names, []) + [error])[-window:]
         medians = {names: statistics.median(values) for names, values in self._errors.items() if len(values) == window}
         threshold = self.config.staleness_threshold
-        over = {names: e for names, e in medians.items() if e > threshold and not set(names) <= self.pinned}
+        patterns = self.base_options.get("keep_synchronous", ())  # the user's: synchronous already, never released
+
+        def kept(name: str) -> bool:
+            return name in self.pinned or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+        over = {names: e for names, e in medians.items() if e > threshold and not all(kept(n) for n in names)}
         under = {names: e for names, e in medians.items()
                  if e < threshold * self.config.release_ratio and set(names) & self.pinned}
         if self.exhausted or not (over or under):
             return None
-        self.pinned.update(name for names in over for name in names)
-        self.pinned.difference_update(name for names in under for name in names)
+        for names in over:
+            self.pinned.update(names)
+            value = errors[names]
+            self._pinned_staleness[names] = value[1] if isinstance(value, tuple) else 1.0
+        for names in under:
+            self.pinned.difference_update(names)
+            self._pinned_staleness.pop(names, None)
 
         def described(group: dict[tuple[str, ...], float]) -> str:
             return ", ".join(f"{'+'.join(names)} ({e:.2f})" for names, e in sorted(group.items(), key=lambda kv: -kv[1]))

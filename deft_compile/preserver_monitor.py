@@ -33,9 +33,19 @@ class PreserverMonitor:
         self._loss_sum = 0.0
         self._loss_count = 0
         self._before: list[torch.Tensor] | None = None
-        self.last_staleness_errors: dict[tuple[str, ...], float] = {}
+        self.last_staleness_errors: dict[tuple[str, ...], tuple[float, float]] = {}
         self._recent_losses: list[float] = []
         self._probe: dict | None = None
+
+    def state_dict(self) -> dict:
+        """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one."""
+        return {**self.preserver.state_dict(), "loss_sum": self._loss_sum, "loss_count": self._loss_count,
+                "recent_losses": list(self._recent_losses)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.preserver.load_state_dict(state)
+        self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
+        self._recent_losses = [float(v) for v in state["recent_losses"]]
 
     def _buckets(self) -> dict[tuple[str, ...], tuple[list[int], float]]:
         """Parameter names -> (captured parameter indices, mean staleness in steps, at least 1) for every
@@ -59,7 +69,9 @@ class PreserverMonitor:
                 and self.preserver.staleness_due(self.step.step_count + 1) and self._worth_measuring()):
             self._before = [p.detach().clone() for p in self.step.graph.captured.model_state.params]
 
-    def _staleness_errors(self, args: tuple, kwargs: dict) -> dict[tuple[str, ...], float]:
+    def _staleness_errors(self, args: tuple, kwargs: dict) -> dict[tuple[str, ...], tuple[float, float]]:
+        """Per bucket: (relative gradient change of this step on its own minibatch, summed over ranks;
+        the bucket's mean staleness in steps under the current plan)."""
         stale = self._buckets()
         state = self.step.graph.captured.model_state
         watched = sorted({p for params, _ in stale.values() for p in params})
@@ -71,7 +83,7 @@ class PreserverMonitor:
         sums = self._all_rank_mean(sums)
         n = len(stale)
         return {
-            names: math.sqrt(sums[i] / sums[n + i]) * staleness
+            names: (math.sqrt(sums[i] / sums[n + i]), staleness)
             for i, (names, (_, staleness)) in enumerate(stale.items())
             if sums[n + i] > 0
         }
@@ -135,8 +147,11 @@ class PreserverMonitor:
     def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
         """Switch to the event's plan. A ladder level whose plan is the same as the current one is skipped
         (``step_down``); a pinning that leaves the plan as it is changes nothing."""
-        current = self.step.plan.hash()
-        while step_down and self.step.solve(self.preserver.options).hash() == current and not self.preserver.exhausted:
+        def schedule(plan) -> list[dict]:  # what runs; the options (and so the hash) change with every decision
+            return [item.to_dict() for item in plan.items]
+
+        current = schedule(self.step.plan)
+        while step_down and schedule(self.step.solve(self.preserver.options)) == current and not self.preserver.exhausted:
             self.preserver._step_down(event.step, "the plan did not change at that level", event.metrics)
-        if self.step.solve(self.preserver.options).hash() != current:
+        if schedule(self.step.solve(self.preserver.options)) != current:
             self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)

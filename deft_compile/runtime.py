@@ -90,6 +90,7 @@ class CompiledStep:
         self._accumulated: dict[int, int] = {}  # local gradients summed so far, per periodic item
         self._last_call: tuple[tuple, dict] | None = None
         self._planning_capture: CapturedStep | None = None
+        self._preserver_state: dict[str, Any] | None = None  # loaded by load_state_dict, for the Preserver
         self._verified_signature: list | None = None
         self._index: ProfileIndex | None = None
         self._groups: list[CommGroup] = []
@@ -193,14 +194,18 @@ class CompiledStep:
         return self._subgroups[global_ranks]
 
     def _average_over(self, group: dist.ProcessGroup) -> int:
-        """Average every floating-point parameter and buffer over ``group``; returns how many tensors."""
+        """Average every trainable parameter and floating-point buffer over ``group``; returns how many tensors.
+
+        Frozen parameters are left alone: they are equal everywhere, and averaging equal values over a group
+        whose size is not a power of two is not exact."""
         size = dist.get_world_size(group)
-        tensors = [t for t in [*self.model.parameters(), *self.model.buffers()] if t.is_floating_point()]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        tensors = [p for p in self.model.parameters() if p.requires_grad and p.is_floating_point()]
+        tensors += [b for b in self.model.buffers() if b.is_floating_point()]
+        by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+            by_dtype.setdefault((tensor.device, tensor.dtype), []).append(tensor)
         with torch.no_grad():
-            for same in by_dtype.values():  # one all-reduce per dtype, not one per tensor
+            for same in by_dtype.values():  # one all-reduce per device and dtype, not one per tensor
                 flat = torch.cat([t.reshape(-1) for t in same])
                 dist.all_reduce(flat, group=group)
                 flat.div_(size)
@@ -310,6 +315,7 @@ class CompiledStep:
             "profile": self.profile.to_json() if self.profile is not None else None,
             "pending": carry,
             "accumulated": dict(self._accumulated),
+            "preserver": self._monitor.state_dict() if self._monitor is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -327,6 +333,10 @@ class CompiledStep:
             self._items = []
         self._carry = {str(k): v.clone() for k, v in state["pending"].items()}
         self._accumulated = {int(k): int(v) for k, v in state.get("accumulated", {}).items()}
+        self._preserver_state = state.get("preserver")  # applied when the Preserver exists (next step's planning)
+        if self._preserver_state is not None and self._monitor is not None:
+            self._monitor.load_state_dict(self._preserver_state)
+            self._preserver_state = None
 
     # -- graphs -----------------------------------------------------------------
     def _phases(self, *, flush: bool) -> dict[int, ItemPhase]:
@@ -435,6 +445,9 @@ class CompiledStep:
             self._record_plan("initial plan")
         if self.policy == "deft" and self.config.preserver.enabled and self._monitor is None:
             self._monitor = PreserverMonitor(self, self._new_preserver())
+        if self._preserver_state is not None and self._monitor is not None:
+            self._monitor.load_state_dict(self._preserver_state)  # resumed: continue its decisions
+            self._preserver_state = None
         # The same arguments and optimizer state are compiled right after planning: capture once, not twice.
         self._planning_capture = captured
 
@@ -508,6 +521,7 @@ class CompiledStep:
                 "optimizer": type(self.optimizer).__name__,
                 "param groups": [[names.get(p, "?") for p in g["params"]] for g in self.optimizer.param_groups],
                 "optimizer hyper-parameters": repr(hyperparameter_key(self.optimizer)),
+                "learning rates": [float(g["lr"]) for g in self.optimizer.param_groups],
                 "policy": self.policy,
             },
             self._process_group,

@@ -34,7 +34,9 @@ def _loss_at(model: torch.nn.Module, names: Sequence[str], params: Sequence[torc
              args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
     tensors: dict[str, torch.Tensor] = dict(zip(names, params))
     tensors.update({name: buffer.clone() for name, buffer in buffers.items()})
-    with torch.random.fork_rng(devices=[]):
+    # manual_seed reseeds every device's generator: fork (save and restore) the CUDA ones too
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(_RECOMPUTE_SEED)
         if loss_fn is None:
             return functional_call(model, tensors, args, kwargs)

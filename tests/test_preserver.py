@@ -51,6 +51,25 @@ def test_pinned_bucket_is_released_when_its_error_falls():
     assert preserver.pinned == set() and "keep_synchronous" not in preserver.options
 
 
+def test_a_pinned_bucket_is_judged_with_the_staleness_it_had():
+    """Pinned at staleness 2.5 (delay + K=4), its own staleness drops to 1: judged by that, a raw error of
+    0.09 would be pinned (0.225) and released (0.09) in turn. It stays pinned."""
+    preserver = _preserver(staleness_threshold=0.2, staleness_window=1, release_ratio=0.5)
+    assert preserver.observe_staleness(25, {("w",): (0.09, 2.5)}) is not None and preserver.pinned == {"w"}
+    for step in (50, 75, 100):
+        assert preserver.observe_staleness(step, {("w",): (0.09, 1.0)}) is None
+    assert preserver.pinned == {"w"}
+    assert preserver.observe_staleness(125, {("w",): (0.03, 1.0)}) is not None and not preserver.pinned
+
+
+def test_user_pinned_buckets_are_not_pinned_again_and_names_are_literal():
+    preserver = Preserver(PreserverConfig(staleness_threshold=0.2, staleness_window=1),
+                          base_options={**BASE, "keep_synchronous": ["embed.*"]}, max_period=4, mean_comm_ms=2.0)
+    assert preserver.observe_staleness(5, {("embed.weight",): 0.9}) is None, "already kept synchronous by the user"
+    assert preserver.observe_staleness(10, {("blocks[0].w",): 0.9}) is not None
+    assert preserver.options["keep_synchronous"] == ["blocks[[]0[]].w", "embed.*"]
+
+
 def test_one_staleness_spike_is_ignored():
     preserver = _preserver(staleness_threshold=0.2, staleness_window=3)
     for step, error in [(5, 0.05), (10, 1.3), (25, 0.04), (50, 0.06)]:

@@ -423,7 +423,8 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
                    f"{save}.rank{rank}")
     state = {k: v.clone() for k, v in _named_state(model, optimizer).items()}
     pending = {k: v.clone() for k, v in step.state_dict()["pending"].items()}
-    return {"state": state, "pending": pending, "step_count": step.step_count, "pending_before_save": pending_before_save}
+    return {"state": state, "pending": pending, "step_count": step.step_count, "pending_before_save": pending_before_save,
+            "preserver": step.state_dict()["preserver"]}
 
 
 def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict:
