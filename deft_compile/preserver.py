@@ -142,8 +142,8 @@ class Preserver:
 
     def __post_init__(self) -> None:
         self._errors: dict[tuple[str, ...], list[float]] = {}
-        self.pinned: set[str] = set()
-        self._pinned_staleness: dict[tuple[str, ...], float] = {}
+        # pinned bucket (its parameter names) -> its mean staleness when pinned, by which it is judged
+        self._pins: dict[tuple[str, ...], float] = {}
         self.staleness_log: list[tuple[int, dict[str, float]]] = []  # every measurement: (step, {names: error})
         self._best_loss: float | None = None
         self._harmful_windows = 0
@@ -170,6 +170,11 @@ class Preserver:
         return ladder
 
     @property
+    def pinned(self) -> set[str]:
+        """Parameter names the Preserver keeps synchronous."""
+        return {name for names in self._pins for name in names}
+
+    @property
     def options(self) -> dict[str, Any]:
         """Solver options of the current level, with the pinned parameters kept synchronous."""
         options = dict(self._ladder[self.level][1])
@@ -182,8 +187,7 @@ class Preserver:
         """What a resumed run needs to continue this Preserver's decisions (saved by ``CompiledStep.state_dict``)."""
         return {
             "level": self.level,
-            "pinned": sorted(self.pinned),
-            "pinned_staleness": [[list(names), s] for names, s in sorted(self._pinned_staleness.items())],
+            "pins": [[list(names), s] for names, s in sorted(self._pins.items())],
             "errors": [[list(names), list(values)] for names, values in sorted(self._errors.items())],
             "best_loss": self._best_loss,
             "harmful_windows": self._harmful_windows,
@@ -191,8 +195,7 @@ class Preserver:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level = min(int(state["level"]), len(self._ladder) - 1)
-        self.pinned = set(state["pinned"])
-        self._pinned_staleness = {tuple(names): float(s) for names, s in state["pinned_staleness"]}
+        self._pins = {tuple(names): float(s) for names, s in state["pins"]}
         self._errors = {tuple(names): [float(v) for v in values] for names, values in state["errors"]}
         self._best_loss = state["best_loss"]
         self._harmful_windows = int(state["harmful_windows"])
@@ -242,7 +245,7 @@ class Preserver:
         scaled = {}
         for names, value in errors.items():
             error, staleness = value if isinstance(value, tuple) else (value, 1.0)
-            scaled[names] = error * self._pinned_staleness.get(names, staleness)
+            scaled[names] = error * self._pins.get(names, staleness)
         self.staleness_log.append((step, {"+".join(names): error for names, error in scaled.items()}))
         window = self.config.staleness_window
         for names, error in scaled.items():
@@ -251,21 +254,20 @@ class Preserver:
         threshold = self.config.staleness_threshold
         patterns = self.base_options.get("keep_synchronous", ())  # the user's: synchronous already, never released
 
-        def kept(name: str) -> bool:
-            return name in self.pinned or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        def user_kept(names: tuple[str, ...]) -> bool:
+            return all(any(fnmatch.fnmatchcase(n, p) for p in patterns) for n in names)
 
-        over = {names: e for names, e in medians.items() if e > threshold and not all(kept(n) for n in names)}
+        over = {names: e for names, e in medians.items()
+                if e > threshold and names not in self._pins and not user_kept(names)}
         under = {names: e for names, e in medians.items()
-                 if e < threshold * self.config.release_ratio and set(names) & self.pinned}
+                 if e < threshold * self.config.release_ratio and names in self._pins}
         if self.exhausted or not (over or under):
             return None
         for names in over:
-            self.pinned.update(names)
             value = errors[names]
-            self._pinned_staleness[names] = value[1] if isinstance(value, tuple) else 1.0
+            self._pins[names] = value[1] if isinstance(value, tuple) else 1.0
         for names in under:
-            self.pinned.difference_update(names)
-            self._pinned_staleness.pop(names, None)
+            del self._pins[names]
 
         def described(group: dict[tuple[str, ...], float]) -> str:
             return ", ".join(f"{'+'.join(names)} ({e:.2f})" for names, e in sorted(group.items(), key=lambda kv: -kv[1]))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from deft_compile.passes.schedule import APPLY_NEXT_UPDATE
 from deft_compile.preserver import Preserver, PreserverEvent
 from deft_compile.staleness import same_batch_gradient_change
 
@@ -33,7 +34,6 @@ class PreserverMonitor:
         self._loss_sum = 0.0
         self._loss_count = 0
         self._before: list[torch.Tensor] | None = None
-        self.last_staleness_errors: dict[tuple[str, ...], tuple[float, float]] = {}
         self._recent_losses: list[float] = []
         self._probe: dict | None = None
 
@@ -47,20 +47,21 @@ class PreserverMonitor:
         self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
         self._recent_losses = [float(v) for v in state["recent_losses"]]
 
+    @staticmethod
+    def _staleness(item) -> float:
+        """Mean steps by which an item's applied gradient lags: one if delayed, plus (K - 1)/2 with a period K."""
+        return (1.0 if item.apply == APPLY_NEXT_UPDATE else 0.0) + (item.period - 1) / 2
+
     def _buckets(self) -> dict[tuple[str, ...], tuple[list[int], float]]:
-        """Parameter names -> (captured parameter indices, mean staleness in steps, at least 1) for every
-        item (delayed: one step; periodic: (K - 1)/2 more). Shares of one bucket merge."""
+        """Parameter names -> (captured parameter indices, mean staleness in steps, at least 1: what a delay
+        would cost a synchronous bucket) for every item. Shares of one bucket merge."""
         names = self.step.graph.captured.model_state.param_names  # items hold captured indices
-        buckets: dict[tuple[str, ...], tuple[list[int], float]] = {}
-        for item in self.step._items:
-            staleness = max(1.0, (1.0 if item.apply == "next-update" else 0.0) + (item.period - 1) / 2)
-            buckets[tuple(sorted(names[p] for p in item.params))] = (sorted(item.params), staleness)
-        return buckets
+        return {tuple(sorted(names[p] for p in item.params)): (sorted(item.params), max(1.0, self._staleness(item)))
+                for item in self.step._items}
 
     def _worth_measuring(self) -> bool:
         """Stale items to check, or pinned buckets that may be released."""
-        stale = any(item.apply == "next-update" or item.period > 1 for item in self.step._items)
-        return stale or bool(self.preserver.pinned)
+        return any(self._staleness(item) > 0 for item in self.step._items) or bool(self.preserver.pinned)
 
     def before_step(self) -> None:
         """Called before every step: keep the weights if this step's staleness error is measured."""
@@ -106,7 +107,6 @@ class PreserverMonitor:
         if self._before is not None:
             errors = self._staleness_errors(args, kwargs)
             self._before = None
-            self.last_staleness_errors = errors
             event = self.preserver.observe_staleness(step_count, errors)
             if event is not None:
                 self._apply(event, step_down=False)
