@@ -59,19 +59,10 @@ from deft_compile.bench import eager_step  # noqa: E402
 from deft_compile.launcher import run_local_workers  # noqa: E402
 from deft_compile.netns import ShapedLoopback, TwoHostLinks, check_prerequisites  # noqa: E402
 from deft_compile.preserver import PreserverConfig  # noqa: E402
+from deft_compile.presets import mlp  # noqa: E402
 from deft_compile.profiler import measure_allreduce  # noqa: E402
 
 MiB = 1 << 20
-
-
-def mlp(inputs: int, width: int, depth: int, classes: int = 10) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    size = inputs
-    for _ in range(depth):
-        layers += [nn.Linear(size, width), nn.ReLU()]
-        size = width
-    layers.append(nn.Linear(size, classes))
-    return nn.Sequential(*layers)
 
 
 def timed_rounds(runners: dict[str, Callable], batch_of: Callable[[str], tuple], cfg: dict[str, Any]) -> dict[str, list[float]]:
@@ -113,7 +104,7 @@ def _step_record(step) -> dict[str, Any]:
 
 def two_links_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
-    base = mlp(cfg["inputs"], cfg["width"], cfg["depth"])
+    base = mlp(width=cfg["width"], depth=cfg["depth"], inputs=cfg["inputs"])
     data = torch.Generator().manual_seed(100 + rank)
     batch = (torch.randn(cfg["batch"], cfg["inputs"], generator=data),
              torch.randint(0, 10, (cfg["batch"],), generator=data))
@@ -161,7 +152,7 @@ def period_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
     flat = {k: v.flatten(1) for k, v in task.data.items() if k.startswith("x")}
     task.data.update(flat)
     torch.manual_seed(cfg["seed"])
-    base = mlp(64, cfg["width"], cfg["depth"])
+    base = mlp(width=cfg["width"], depth=cfg["depth"], inputs=64)
     nbytes = sum(p.numel() * p.element_size() for p in base.parameters())
     flat_ms = measure_allreduce(None, [nbytes], repeats=3, warmup=1)[0][1]
     total_steps = cfg["warmup"] + cfg["rounds"] * (cfg["block"] + 1)
@@ -247,6 +238,22 @@ def print_plans(value: dict[str, Any]) -> None:
             print(f"    plan_history: step {h['step']}: {h['reason']} (delayed items {h['delayed_items']}, max K {h['max_period']})")
 
 
+def _repeat(repeats: int, label: str, cfg: dict[str, Any], run: Callable, report: Callable,
+            summary: Callable[[dict, dict], str]) -> list[dict[str, Any]]:
+    """Run one part ``repeats`` times; a progress line per repeat, the plans after the first."""
+    records = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        value = run(cfg)
+        rep = report(value)
+        records.append({"config": cfg, "report": rep, "raw": value})
+        print(f"[{label}, repeat {r + 1}] median ms {({k: round(v, 1) for k, v in rep['median_ms'].items()})}; "
+              f"{summary(value, rep)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if r == 0:
+            print_plans(value)
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["two-links", "period", "both"], default="both")
@@ -274,33 +281,19 @@ def main(argv: list[str] | None = None) -> int:
                "bucket_cap_mb": 4.0, "allow_period": args.allow_period, "rate1": "1gbit", "rate2": "500mbit",
                "variants": ["ddp", "deft-1link", "deft-2links"], "warmup": args.warmup, "rounds": args.rounds,
                "block": args.block}
-        for r in range(args.repeats):
-            t0 = time.perf_counter()
-            value = run_two_links(cfg)
-            rep = report_two_links(value)
-            record["two_links"].append({"config": cfg, "report": rep, "raw": value})
-            print(f"[two links, repeat {r + 1}] median ms {({k: round(v, 1) for k, v in rep['median_ms'].items()})}; "
-                  f"deft 2 links / 1 link speedup {rep.get('speedup_2links_over_1link', float('nan')):.2f}x; "
-                  f"CR on link1 {({k: round(v, 2) for k, v in rep['coverage_rate_link1'].items()})}; "
-                  f"rank 0 sent {({k: f'{v / MiB:.0f} MiB' for k, v in value['rank0_sent_bytes'].items()})} "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            if r == 0:
-                print_plans(value)
+        record["two_links"] = _repeat(args.repeats, "two links", cfg, run_two_links, report_two_links, lambda value, rep: (
+            f"deft 2 links / 1 link speedup {rep.get('speedup_2links_over_1link', float('nan')):.2f}x; "
+            f"CR on link1 {({k: round(v, 2) for k, v in rep['coverage_rate_link1'].items()})}; "
+            f"rank 0 sent {({k: f'{v / MiB:.0f} MiB' for k, v in value['rank0_sent_bytes'].items()})}"))
     if args.part in ("period", "both"):
         cfg = {"width": args.period_width, "depth": args.period_depth, "batch": args.period_batch, "lr": 0.05,
                "seed": 0, "rate": "1gbit", "variants": args.period_variants, "warmup": args.warmup,
                "rounds": args.period_rounds, "block": args.block}
-        for r in range(args.repeats):
-            t0 = time.perf_counter()
-            value = run_period(cfg)
-            rep = report_period(value)
-            record["period"].append({"config": cfg, "report": rep, "raw": value})
-            print(f"[K vs DDP on shaped lo 1 Gbit/s, repeat {r + 1}] median ms {({k: round(v, 1) for k, v in rep['median_ms'].items()})}; "
-                  + "; ".join(f"{k} {v:.2f}" for k, v in rep.items() if k.startswith(("speedup", "accuracy", "coverage")))
-                  + f"; final {({n: {k: round(x, 4) for k, x in f.items()} for n, f in rep['final'].items()})}; "
-                  f"steps trained {value['trained_steps']} ({time.perf_counter() - t0:.0f} s)", flush=True)
-            if r == 0:
-                print_plans(value)
+        record["period"] = _repeat(args.repeats, "K vs DDP on shaped lo 1 Gbit/s", cfg, run_period, report_period,
+                                   lambda value, rep: (
+            "; ".join(f"{k} {v:.2f}" for k, v in rep.items() if k.startswith(("speedup", "accuracy", "coverage")))
+            + f"; final {({n: {k: round(x, 4) for k, x in f.items()} for n, f in rep['final'].items()})}; "
+            f"steps trained {value['trained_steps']}"))
     record["elapsed_s"] = time.perf_counter() - started
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(record, indent=1))

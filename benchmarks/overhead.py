@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deft_compile import deft_compile
+from deft_compile.presets import lm_loss
 
 
 def mlp() -> nn.Module:
@@ -45,10 +46,6 @@ class SmallTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) + self.position
         return self.head(self.blocks(h, mask=self.mask, is_causal=True))
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 MODELS = {

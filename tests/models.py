@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from deft_compile.presets import CausalLM, lm_loss
+
 
 class DropoutMLP(nn.Module):
     def __init__(self, width: int = 32) -> None:
@@ -35,31 +37,9 @@ class BatchNormCNN(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
-class TinyTransformerLM(nn.Module):
-    """Decoder-only LM with tied input/output embeddings and LayerNorm.
-
-    The blocks have no biases: the key projection's bias has a mathematically zero
-    gradient (softmax ignores a per-row constant), pure round-off that AdamW would
-    amplify into noise of size lr and make any two correct implementations differ.
-    """
-
-    def __init__(self, vocab: int = 50, dim: int = 32, heads: int = 4, layers: int = 2, context: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.position = nn.Parameter(torch.randn(context, dim) * 0.02)
-        layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True, norm_first=True, bias=False)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.lm_head.weight = self.embed.weight  # tied
-        mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
-        self.register_buffer("causal_mask", mask, persistent=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.shape[1]
-        h = self.embed(tokens) + self.position[:length]
-        h = self.blocks(h, mask=self.causal_mask[:length, :length], is_causal=True)
-        return self.lm_head(self.norm(h))
+def TinyTransformerLM() -> CausalLM:
+    """Tied-embedding LM with LayerNorm, small enough for 2-process tests (no biases: see ``CausalLM``)."""
+    return CausalLM(vocab=50, dim=32, heads=4, layers=2, context=16, ffn=2)
 
 
 class FrozenAndUnused(nn.Module):
@@ -74,10 +54,6 @@ class FrozenAndUnused(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.trained(torch.relu(self.frozen(x)))
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _adamw_two_groups(model: nn.Module) -> torch.optim.Optimizer:

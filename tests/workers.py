@@ -363,15 +363,23 @@ def plan_schedule_by_name(step) -> dict[str, tuple[int, int, int]]:
     return {step.profile.params[index].name: value for index, value in step.plan.param_schedule().items()}
 
 
-def compare_deft_with_delayed_reference(
-    rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9,
-    links: tuple[str, ...] = (),
-) -> dict:
+def reference_and_deft(case: str):
+    """``CASES[case]``'s seeded model twice (a reference copy and a deft copy) with their optimizers:
+    ``(make_optimizer, make_batch, loss_fn, base, ref_model, ref_optimizer, deft_model, deft_optimizer)``."""
     make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
     torch.manual_seed(0)
     base = make_model()
     ref_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
-    ref_optimizer, deft_optimizer = make_optimizer(ref_model), make_optimizer(deft_model)
+    return (make_optimizer, make_batch, loss_fn, base, ref_model, make_optimizer(ref_model), deft_model,
+            make_optimizer(deft_model))
+
+
+def compare_deft_with_delayed_reference(
+    rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9,
+    links: tuple[str, ...] = (),
+) -> dict:
+    (make_optimizer, make_batch, loss_fn, base,
+     ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
     scratch = copy.deepcopy(base)
@@ -430,11 +438,8 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
 def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict:
     """deft with a profile measured on the first step (no profile given): every rank must end up
     with the same profile and plan, and training must follow the delayed semantics of that plan."""
-    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
-    torch.manual_seed(0)
-    base = make_model()
-    ref_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
-    ref_optimizer, deft_optimizer = make_optimizer(ref_model), make_optimizer(deft_model)
+    (make_optimizer, make_batch, loss_fn, base,
+     ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
     data = torch.Generator().manual_seed(1234 + rank)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft")
     batches = [make_batch(data) for _ in range(steps)]
@@ -522,11 +527,8 @@ def dssync_run(rank: int, world_size: int, steps: int, average: str = "gradients
 
     from deft_compile.solvers import dssync_partition
 
-    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
-    torch.manual_seed(0)
-    base = make_model()
-    ref_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
-    ref_optimizer, deft_optimizer = make_optimizer(ref_model), make_optimizer(deft_model)
+    (make_optimizer, make_batch, loss_fn, base,
+     ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft("mlp_dropout_sgd")
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="dssync",
                         config=DeftConfig(plan_options={"group_size": 2, "seed": 7, "average": average}))
     data = torch.Generator().manual_seed(1234 + rank)
