@@ -86,10 +86,10 @@ import torch.nn.functional as F  # noqa: E402
 from convergence import ROOT, VARIANTS as CONVERGENCE_VARIANTS, DigitsTask, build_runner, slow_link_profile  # noqa: E402
 
 from deft_compile import DeftConfig, deft_compile  # noqa: E402
-from deft_compile.bench import eager_step, quantile  # noqa: E402
-from deft_compile.launcher import run_local_workers  # noqa: E402
+from deft_compile.tools.bench import eager_step, quantile  # noqa: E402
+from deft_compile.tools.launcher import run_local_workers  # noqa: E402
 from deft_compile.preserver import PreserverConfig  # noqa: E402
-from deft_compile.solvers import dssync_partition  # noqa: E402
+from deft_compile.planner.solvers import dssync_partition  # noqa: E402
 
 WORLD = 4
 DIGITS_VARIANTS = ("ddp", "deft", "deft-K", "dssync", "dssync-params", "dlcp")
@@ -331,7 +331,7 @@ def _allreduce_ms(group: Any, nbytes: int, repeats: int) -> float:
 def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from policies import _ForeignLoad, make_optimizer, vgg_setup
 
-    from deft_compile.artifacts import plan_cycle
+    from deft_compile.debug.artifacts import plan_cycle
 
     base, inputs, targets, total_bytes = vgg_setup(rank, cfg)
     solo = [dist.new_group([r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes every one
@@ -740,7 +740,7 @@ def run_digits(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_shaped(args: argparse.Namespace) -> dict[str, Any]:
     """One launch of 4 workers per rate, each in its own shaped namespace (deleted before the next one starts)."""
-    from deft_compile.netns import NETNS_DIR, ShapedLoopback, check_prerequisites
+    from deft_compile.tools.netns import NETNS_DIR, ShapedLoopback, check_prerequisites
 
     check_prerequisites()
     variants = expand_variants(args.shaped_variants, args.dlcp_max_loss)
@@ -791,8 +791,8 @@ QUICK = {"seeds": [0], "steps": 20, "block": 5, "eval_every": 10, "width": 8, "f
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deft_compile.bench import sigterm_as_interrupt
-    from deft_compile.netns import created_namespaces
+    from deft_compile.tools.bench import sigterm_as_interrupt
+    from deft_compile.tools.netns import created_namespaces
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)

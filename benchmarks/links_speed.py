@@ -2,7 +2,7 @@
 
     sudo python benchmarks/links_speed.py [--part two-links|period|both] [--rounds 8] [--block 8] [--repeats 2] [--json docs/img/links_speed.json]
 
-Needs root and iproute2 (``deft_compile.netns``). 2 workers, one intra-op
+Needs root and iproute2 (``deft_compile.tools.netns``). 2 workers, one intra-op
 thread each. Every comparison is made inside one run: the variants live in the
 same two processes and are timed in interleaved blocks (rotated order each
 round; every block starts with a barrier and one untimed step that absorbs
@@ -55,12 +55,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import ROOT, DigitsTask, plan_summary  # noqa: E402
 
 from deft_compile import DeftConfig, deft_compile  # noqa: E402
-from deft_compile.bench import eager_step  # noqa: E402
-from deft_compile.launcher import run_local_workers  # noqa: E402
-from deft_compile.netns import ShapedLoopback, TwoHostLinks, check_prerequisites  # noqa: E402
+from deft_compile.tools.bench import eager_step  # noqa: E402
+from deft_compile.tools.launcher import run_local_workers  # noqa: E402
+from deft_compile.tools.netns import ShapedLoopback, TwoHostLinks, check_prerequisites  # noqa: E402
 from deft_compile.preserver import PreserverConfig  # noqa: E402
-from deft_compile.presets import mlp  # noqa: E402
-from deft_compile.profiler import measure_allreduce  # noqa: E402
+from deft_compile.tools.presets import mlp  # noqa: E402
+from deft_compile.planner.profiler import measure_allreduce  # noqa: E402
 
 MiB = 1 << 20
 

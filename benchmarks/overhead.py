@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deft_compile import deft_compile
-from deft_compile.presets import lm_loss
+from deft_compile.tools.presets import lm_loss
 
 
 def mlp() -> nn.Module:

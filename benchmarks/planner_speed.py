@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deft_compile.plan import LinkCost, ParamProfile, Profile  # noqa: E402
-from deft_compile.simulator import simulate  # noqa: E402
-from deft_compile.solvers import POLICIES, solve  # noqa: E402
+from deft_compile.planner.plan import LinkCost, ParamProfile, Profile  # noqa: E402
+from deft_compile.planner.simulator import simulate  # noqa: E402
+from deft_compile.planner.solvers import POLICIES, solve  # noqa: E402
 
 MiB = 1024 * 1024
 

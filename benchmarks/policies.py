@@ -2,7 +2,7 @@
 
     sudo python benchmarks/policies.py [--rate 1gbit] [--rounds 3] [--block 10] [--json out.json] [--trace-dir DIR]
 
-Needs root and iproute2 (``deft_compile.netns``). Two workers run inside one
+Needs root and iproute2 (``deft_compile.tools.netns``). Two workers run inside one
 private network namespace whose ``lo`` is shaped with ``tc tbf`` (DESIGN.md §5),
 one intra-op thread each (the launcher sets it). In the same processes, in
 interleaved blocks, the same VGG-style CNN (conv stack + large fully-connected
@@ -51,16 +51,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deft_compile import DeftConfig, deft_compile
-from deft_compile.bench import eager_step, quantile
-from deft_compile.launcher import run_local_workers
-from deft_compile.netns import ShapedLoopback, check_prerequisites
-from deft_compile.plan import Plan, Profile
-from deft_compile.profiler import fit_alpha_beta, measure_allreduce
-from deft_compile.simulator import coverage_rate, simulate
+from deft_compile.tools.bench import eager_step, quantile
+from deft_compile.tools.launcher import run_local_workers
+from deft_compile.tools.netns import ShapedLoopback, check_prerequisites
+from deft_compile.planner.plan import Plan, Profile
+from deft_compile.planner.profiler import fit_alpha_beta, measure_allreduce
+from deft_compile.planner.simulator import coverage_rate, simulate
 
 MiB = 1 << 20
 COMPILED = ("wfbp", "bytescheduler", "usbyte", "deft")
-STATIC = ("wfbp",)  # policies whose plan needs no measurement (deft_compile.runtime._STATIC_POLICIES)
+STATIC = ("wfbp",)  # policies whose plan needs no measurement (PolicyRuntime.needs_profile in deft_compile.step.policy_runtime)
 VARIANTS = ("floor", "eager", "ddp", *COMPILED)
 
 

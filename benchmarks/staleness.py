@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convergence import ROOT, TASKS, VARIANTS, train  # noqa: E402
 
-from deft_compile.launcher import run_local_workers  # noqa: E402
+from deft_compile.tools.launcher import run_local_workers  # noqa: E402
 from deft_compile.preserver import PreserverConfig  # noqa: E402
 
 STALE_VARIANTS: dict[str, tuple[dict | None, PreserverConfig | None]] = {

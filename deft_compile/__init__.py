@@ -1,7 +1,7 @@
 """deft_compile: gradient-communication scheduling for data-parallel PyTorch as an FX pass.
 
 ``deft_compile`` and ``DeftConfig`` are imported lazily so that the pure planning
-modules (``deft_compile.plan``, ``.simulator``, ``.solvers``) load without torch.
+modules (``deft_compile.planner.plan``, ``.simulator``, ``.solvers``) load without torch.
 """
 
 from __future__ import annotations

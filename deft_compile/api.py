@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deft_compile.config import DeftConfig
-from deft_compile.plan import Profile
-from deft_compile.runtime import CompiledStep
+from deft_compile.planner.plan import Profile
+from deft_compile.step.runtime import CompiledStep
 
 
 def deft_compile(
@@ -56,7 +56,7 @@ def deft_compile(
         process_group: the data-parallel group.
         dump_dir: if set (or the environment variable ``DEFT_DUMP`` is), the
             readable graph after every pass is written there.
-        profile: a saved ``deft_compile.plan.Profile`` to plan from instead of
+        profile: a saved ``deft_compile.planner.plan.Profile`` to plan from instead of
             measuring on the first step.
     """
     if dump_dir is None and os.environ.get("DEFT_DUMP"):

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deft_compile.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, MiB
+from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 from deft_compile.preserver import PreserverConfig
 
 
 @dataclass(frozen=True)
-class DeftConfig:
+class DeftConfig(BucketSizes):
     """Knobs of ``deft_compile``; the defaults reproduce PyTorch DDP's behaviour.
 
     Attributes:
@@ -29,7 +29,7 @@ class DeftConfig:
             mode and optimizer hyper-parameters) are kept before the oldest is
             dropped.
         plan_options: extra keyword options for the policy's solver (see
-            ``deft_compile.solvers``), e.g. ``{"max_staleness": 0}`` for DeFT.
+            ``deft_compile.planner.solvers``), e.g. ``{"max_staleness": 0}`` for DeFT.
         preserver: thresholds of the Preserver, which watches the convergence
             cost of delays and update periods while training and re-plans more
             conservatively when it is too high (``policy="deft"`` only; on by
@@ -40,7 +40,7 @@ class DeftConfig:
             it those policies skip the measurement and predict 0 ms.
         links: extra communication channels besides the process group, e.g.
             ``("gloo:eth1",)`` or ``("gloo",)`` under NCCL (see
-            ``deft_compile.links``). The profiler measures each; DeFT assigns
+            ``deft_compile.step.links``). The profiler measures each; DeFT assigns
             buckets or bucket shares to them (a multiple knapsack).
     """
 
@@ -60,15 +60,7 @@ class DeftConfig:
             raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
         if self.max_cached_graphs < 1:
             raise ValueError("max_cached_graphs must be at least 1")
-        from deft_compile.links import parse_link
+        from deft_compile.step.links import parse_link
 
         for spec in self.links:
             parse_link(spec)
-
-    @property
-    def bucket_cap_bytes(self) -> int:
-        return int(self.bucket_cap_mb * MiB)
-
-    @property
-    def first_bucket_bytes(self) -> int:
-        return int(self.first_bucket_mb * MiB)

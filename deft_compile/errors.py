@@ -25,3 +25,8 @@ class ModelMismatchError(DeftError):
 
 class PeerFailureError(DeftError):
     """A collective failed or timed out; the message names the ranks that did not answer."""
+
+
+class NetnsError(RuntimeError):
+    """Creating, shaping, entering or deleting a network namespace, or binding gloo to an interface, failed;
+    the message names the command or interface and the error."""

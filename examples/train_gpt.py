@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from deft_compile import DeftConfig, deft_compile
-from deft_compile.presets import GPT2Style
+from deft_compile.tools.presets import GPT2Style
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from deft_compile import ops
+from deft_compile.ir import ops
 
 
 def strip_markers(gm: fx.GraphModule) -> fx.GraphModule:

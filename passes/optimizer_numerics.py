@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from deft_compile import ops
+from deft_compile.ir import ops
 
 aten = torch.ops.aten
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from deft_compile import ops
-from deft_compile.layout import GraphLayout
+from deft_compile.ir import ops
+from deft_compile.ir.layout import GraphLayout
 from deft_compile.passes.collectives import ALL_REDUCE, WAIT
 
 aten = torch.ops.aten
@@ -64,7 +64,7 @@ class Slice:
 
 @dataclass(frozen=True)
 class DropSpec:
-    """DLCP's bounded-loss rule for one item (see ``deft_compile.solvers.dlcp``).
+    """DLCP's bounded-loss rule for one item (see ``deft_compile.planner.solvers.dlcp``).
 
     The item's flat gradient (plus the carried residual) is cut into chunks of
     ``chunk_numel`` elements. Chunks are ordered by ``chunk_rank`` (static:

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deft_compile.presets import CausalLM, lm_loss
+from deft_compile.tools.presets import CausalLM, lm_loss
 
 
 class DropoutMLP(nn.Module):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deft_compile import artifacts
-from deft_compile.artifacts import (
+from deft_compile.debug import artifacts
+from deft_compile.debug.artifacts import (
     ascii_timeline,
     gantt_png,
     measured_gantt_png,
@@ -25,9 +25,9 @@ from deft_compile.artifacts import (
     trace_event_names,
     write_plan_artifacts,
 )
-from deft_compile.plan import LinkCost, ParamProfile, Plan, Profile
-from deft_compile.simulator import simulate
-from deft_compile.solvers import POLICIES, SCHEDULING_POLICIES, solve
+from deft_compile.planner.plan import LinkCost, ParamProfile, Plan, Profile
+from deft_compile.planner.simulator import simulate
+from deft_compile.planner.solvers import POLICIES, SCHEDULING_POLICIES, solve
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -104,7 +104,7 @@ def test_png_is_skipped_without_matplotlib(tmp_path, monkeypatch, caplog):
 
 def _mlp_step(dump_dir=None, policy="deft"):
     from deft_compile import deft_compile
-    from deft_compile.presets import get_preset
+    from deft_compile.tools.presets import get_preset
 
     model, optimizer, loss_fn, args, kwargs = get_preset("mlp").make(batch_size=16)
     return deft_compile(model, optimizer, loss_fn, dump_dir=dump_dir, policy=policy), args, kwargs
@@ -150,7 +150,7 @@ def _measured_worker(rank: int, world_size: int, out: str) -> list[str]:
 
 
 def test_measured_timeline_shows_gloo_collectives(tmp_path):
-    from deft_compile.launcher import run_local_workers
+    from deft_compile.tools.launcher import run_local_workers
 
     results = run_local_workers(_measured_worker, 2, (str(tmp_path),), timeout_s=120)
     for result in results:
@@ -164,9 +164,9 @@ def test_measured_timeline_shows_gloo_collectives(tmp_path):
 
 TRACE_SCRIPT = textwrap.dedent("""
     import torch, torch.fx
-    from deft_compile.artifacts import log_graph_pass, record_plan, structured_trace_enabled
-    from deft_compile.plan import LinkCost, ParamProfile, Profile
-    from deft_compile.solvers import solve
+    from deft_compile.debug.artifacts import log_graph_pass, record_plan, structured_trace_enabled
+    from deft_compile.planner.plan import LinkCost, ParamProfile, Profile
+    from deft_compile.planner.solvers import solve
     assert structured_trace_enabled()
     profile = Profile([ParamProfile("w", 1000, backward_ms=1.0, forward_ms=0.5),
                        ParamProfile("b", 10, backward_ms=0.1, forward_ms=0.1, layer=1)],
@@ -204,7 +204,7 @@ def test_log_structured_is_a_no_op_without_torch_trace():
 
 
 def test_explain_prints_every_policy(tmp_path, capsys):
-    from deft_compile.cli import main
+    from deft_compile.tools.cli import main
 
     assert main(["explain", "--model", "mlp", "--repeats", "1", "--batch", "16", "--dump", str(tmp_path),
                  "--json", str(tmp_path / "summary.json")]) == 0
@@ -221,7 +221,7 @@ def test_explain_prints_every_policy(tmp_path, capsys):
 
 
 def test_explain_policy_subset_and_bad_world_size(capsys):
-    from deft_compile.cli import main
+    from deft_compile.tools.cli import main
 
     assert main(["explain", "--model", "mlp", "--policy", "deft", "--repeats", "1", "--batch", "8",
                  "--no-tables"]) == 0
@@ -234,7 +234,7 @@ def test_explain_policy_subset_and_bad_world_size(capsys):
 
 @pytest.mark.parametrize("name", ["mlp", "vgg", "resnet", "gpt2"])
 def test_presets_train_one_step(name):
-    from deft_compile.presets import get_preset
+    from deft_compile.tools.presets import get_preset
 
     model, optimizer, loss_fn, args, kwargs = get_preset(name).make(batch_size=2)
     loss = model(*args, **kwargs) if loss_fn is None else loss_fn(model(args[0]), args[1])
@@ -246,8 +246,8 @@ def test_presets_train_one_step(name):
 def test_runtime_dump_folder_describes_the_run(tmp_path):
     """A 2-rank deft run with dump_dir: rank 0 writes the plan artifacts, every rank its measured timeline
     (with the gloo all-reduces of the step) and per-pass graphs whose last file is the code that ran."""
-    from deft_compile.launcher import run_local_workers
-    from deft_compile.plan import Plan
+    from deft_compile.tools.launcher import run_local_workers
+    from deft_compile.planner.plan import Plan
     from workers import dumped_deft_run
 
     results = [r.value for r in run_local_workers(dumped_deft_run, 2, (str(tmp_path), 4), timeout_s=240)]

@@ -17,8 +17,8 @@ import importlib.metadata
 import pytest
 
 from backend_workers import STEPS, all_scenarios
-from deft_compile.backend_options import parse_options
-from deft_compile.launcher import run_local_workers
+from deft_compile.backend.options import parse_options
+from deft_compile.tools.launcher import run_local_workers
 
 
 @pytest.fixture(scope="module")

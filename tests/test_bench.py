@@ -9,10 +9,10 @@ import textwrap
 
 import pytest
 
-from deft_compile import cli
-from deft_compile.bench import analyse, format_table, network, parse_rate
-from deft_compile.bench_models import BENCH_MODELS, describe, resolve_model, user_model
-from deft_compile.demo import DemoRow, choose_network, demo_rows, format_demo_table
+from deft_compile.tools import cli
+from deft_compile.tools.bench import analyse, format_table, network, parse_rate
+from deft_compile.tools.bench_models import BENCH_MODELS, describe, resolve_model, user_model
+from deft_compile.tools.demo import DemoRow, choose_network, demo_rows, format_demo_table
 
 USER_MODEL = textwrap.dedent(
     """
@@ -106,7 +106,8 @@ def test_model_families_build():
 
 
 def test_cli_names_match_registry():
-    from deft_compile import bench, bench_models
+    from deft_compile.tools import bench
+    from deft_compile.tools import bench_models
 
     assert list(bench.MODEL_NAMES) == list(bench_models.BENCH_MODELS)
     assert bench.DEFAULT_MODELS == bench_models.DEFAULT_MODELS
@@ -167,7 +168,7 @@ def _netns_list() -> str:
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_bench_network_cleaned_up_on_error(error):
-    from deft_compile.netns import check_prerequisites
+    from deft_compile.tools.netns import check_prerequisites
 
     check_prerequisites()  # root, ip and tc (CI has them): fails naming what is missing, never skips
     with pytest.raises(error):

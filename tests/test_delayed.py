@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deft_compile.launcher import run_local_workers
+from deft_compile.tools.launcher import run_local_workers
 from models import CASES
 from workers import check_entry, checkpoint_run, compare_deft_with_delayed_reference, measured_deft_run
 
@@ -83,7 +83,7 @@ def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path):
 def test_measured_profile_is_agreed_and_followed():
     """No profile given: the first step measures compute and the link on each rank, the ranks agree on the
     maximum, solve the same plan, and training follows that plan's semantics exactly (SGD)."""
-    from deft_compile.plan import Profile
+    from deft_compile.planner.plan import Profile
 
     results = run_local_workers(measured_deft_run, 2, ("mlp_dropout_sgd", 4), timeout_s=240)
     first, second = (r.value for r in results)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deft_compile.launcher import run_local_workers
+from deft_compile.tools.launcher import run_local_workers
 from workers import dlcp_run
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deft_compile.launcher import run_local_workers
-from deft_compile.solvers import dssync_partition
+from deft_compile.tools.launcher import run_local_workers
+from deft_compile.planner.solvers import dssync_partition
 from workers import dssync_run
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import dssync_dlcp  # noqa: E402
 
-from deft_compile.netns import NETNS_DIR, NetnsError, check_prerequisites  # noqa: E402
+from deft_compile.tools.netns import NETNS_DIR, NetnsError, check_prerequisites  # noqa: E402
 
 
 def _finite(x) -> bool:

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from deft_compile.launcher import run_local_workers
+from deft_compile.tools.launcher import run_local_workers
 from models import CASES
 from workers import compare_with_ddp
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from deft_compile.solvers.deft import suffix_knapsacks
-from deft_compile.solvers.knapsack import discretise, knapsack_01, knapsack_time
+from deft_compile.planner.solvers.deft import suffix_knapsacks
+from deft_compile.planner.solvers.knapsack import discretise, knapsack_01, knapsack_time
 
 
 def brute_force(weights: list[int], values: list[float], capacity: int) -> float:

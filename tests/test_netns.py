@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deft_compile.launcher import run_local_workers
-from deft_compile.netns import (
+from deft_compile.tools.launcher import run_local_workers
+from deft_compile.tools.netns import (
     NETNS_DIR,
     NetnsError,
     ShapedLoopback,
@@ -26,7 +26,7 @@ from deft_compile.netns import (
     created_namespaces,
     link_group,
 )
-from deft_compile.profiler import fit_alpha_beta, measure_allreduce
+from deft_compile.planner.profiler import fit_alpha_beta, measure_allreduce
 
 MB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +114,7 @@ def test_names_are_unique_and_foreign_namespaces_are_untouched():
 def test_process_exit_removes_its_namespaces(how: str):
     code = (
         "import sys, time\n"
-        "from deft_compile.netns import ShapedLoopback\n"
+        "from deft_compile.tools.netns import ShapedLoopback\n"
         "lo = ShapedLoopback().__enter__()\n"
         "print(lo.name, flush=True)\n"
         f"time.sleep(30 if {how == 'sigterm'!r} else 0)\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deft_compile.plan import (
+from deft_compile.planner.plan import (
     CommItem,
     LinkCost,
     ParamProfile,
@@ -24,8 +24,8 @@ from deft_compile.plan import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-PLANNER_FILES = ["deft_compile/plan.py", "deft_compile/simulator.py", "deft_compile/cli_simulate.py",
-                 "deft_compile/zoo_profiles.py", *sorted(
+PLANNER_FILES = ["deft_compile/planner/plan.py", "deft_compile/planner/simulator.py", "deft_compile/tools/simulate.py",
+                 "deft_compile/planner/zoo_profiles.py", *sorted(
                      str(p.relative_to(REPO)) for p in (REPO / "deft_compile/solvers").glob("*.py"))]
 
 
@@ -90,7 +90,7 @@ def test_hash_covers_decisions_not_predictions() -> None:
 
 def test_hash_is_identical_in_another_process() -> None:
     plan = small_plan()
-    code = ("import sys; from deft_compile.plan import Plan; "
+    code = ("import sys; from deft_compile.planner.plan import Plan; "
             "print(Plan.from_json(sys.stdin.read()).hash())")
     result = subprocess.run([sys.executable, "-c", code], input=plan.to_json(), text=True,
                             capture_output=True, cwd=REPO, check=True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from deft_compile.launcher import run_local_workers
+from deft_compile.tools.launcher import run_local_workers
 from models import CASES
 from workers import check_entry, compare_policy_with_ddp
 

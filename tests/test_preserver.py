@@ -138,7 +138,7 @@ def test_preserver_rescues_a_run_that_staleness_breaks():
     run converges like the synchronous one."""
     import math
 
-    from deft_compile.launcher import run_local_workers
+    from deft_compile.tools.launcher import run_local_workers
     from workers import preserver_run
 
     def run(enabled, synchronous):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from deft_compile.plan import (
+from deft_compile.planner.plan import (
     CommItem,
     LinkCost,
     ParamProfile,
@@ -16,8 +16,8 @@ from deft_compile.plan import (
     Plan,
     Profile,
 )
-from deft_compile.simulator import BucketScheduleEvaluator, compute_floor_ms, coverage_rate, simulate
-from deft_compile.solvers import POLICIES, solve
+from deft_compile.planner.simulator import BucketScheduleEvaluator, compute_floor_ms, coverage_rate, simulate
+from deft_compile.planner.solvers import POLICIES, solve
 
 # Three parameters, ready order p0 (output side, layer 2), p1 (layer 1), p2 (layer 0).
 # forward 1 ms and backward 1 ms each; one link: alpha 0.5 ms, beta 0.001 ms/B

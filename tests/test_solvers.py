@@ -9,12 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from deft_compile import cli_simulate
-from deft_compile.plan import LinkCost, ParamProfile, Plan, Profile
-from deft_compile.simulator import coverage_rate, simulate
-from deft_compile.solvers import POLICIES, SCHEDULING_POLICIES, solve
-from deft_compile.solvers.deft import link_shares
-from deft_compile.zoo_profiles import build_profile, model_summary
+from deft_compile.tools import simulate as cli_simulate
+from deft_compile.planner.plan import LinkCost, ParamProfile, Plan, Profile
+from deft_compile.planner.simulator import coverage_rate, simulate
+from deft_compile.planner.solvers import POLICIES, SCHEDULING_POLICIES, solve
+from deft_compile.planner.solvers.deft import link_shares
+from deft_compile.planner.zoo_profiles import build_profile, model_summary
 
 BUCKETS = {"first_bucket_bytes": 200_000, "bucket_cap_bytes": 1_000_000}
 

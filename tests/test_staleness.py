@@ -1,4 +1,4 @@
-"""The same-batch staleness error (deft_compile.staleness): exact values, no side effects."""
+"""The same-batch staleness error (deft_compile.preserver.staleness): exact values, no side effects."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deft_compile.staleness import same_batch_gradient_change
+from deft_compile.preserver.staleness import same_batch_gradient_change
 
 
 class Net(nn.Module):

@@ -32,15 +32,23 @@ def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     return tensors
 
 
-def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir: str | None = None, policy: str = "wfbp") -> dict:
-    """Train one model with torch DDP and one with deft_compile on the same per-rank data;
-    report, per step, the worst difference over parameters, buffers and optimizer state."""
+
+def _ddp_pair(case: str) -> tuple:
+    """(make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer):
+    one model trained by torch DDP and a copy to train with deft_compile, same initial weights."""
     make_model, make_optimizer, make_batch, loss_fn, ddp_kwargs, _exact = CASES[case]
     torch.manual_seed(0)
     base = make_model()
     ddp_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
     ddp = DistributedDataParallel(ddp_model, **ddp_kwargs)
-    ddp_optimizer, deft_optimizer = make_optimizer(ddp_model), make_optimizer(deft_model)
+    return (make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, make_optimizer(ddp_model),
+            deft_model, make_optimizer(deft_model))
+
+
+def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir: str | None = None, policy: str = "wfbp") -> dict:
+    """Train one model with torch DDP and one with deft_compile on the same per-rank data;
+    report, per step, the worst difference over parameters, buffers and optimizer state."""
+    _, make_batch, loss_fn, _, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
     step = deft_compile(
         deft_model,
         deft_optimizer,
@@ -85,7 +93,7 @@ def _tiny_step(hidden: int, **config):
 def capture_counts(rank: int, world_size: int) -> list[int]:
     """How many times the step has been traced after each of 3 steps (SGD without momentum: no optimizer
     state, so one graph serves every step)."""
-    import deft_compile.runtime as runtime
+    import deft_compile.step.runtime as runtime
 
     calls = []
     original = runtime.capture_step
@@ -170,8 +178,8 @@ def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, com
     partition, reorder and delay as they would on a slow network."""
     import dataclasses
 
-    from deft_compile.plan import LinkCost
-    from deft_compile.profiler import profile_model
+    from deft_compile.planner.plan import LinkCost
+    from deft_compile.planner.profiler import profile_model
 
     profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
     params = [
@@ -230,12 +238,7 @@ def _graph_collectives(step) -> list[str]:
 def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str) -> dict:
     """A timing-only policy must give DDP's numbers. Parameters whose update the plan defers to
     the next step's forward are compared with DDP's previous step; after ``flush`` all with DDP's last."""
-    make_model, make_optimizer, make_batch, loss_fn, ddp_kwargs, _exact = CASES[case]
-    torch.manual_seed(0)
-    base = make_model()
-    ddp_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
-    ddp = DistributedDataParallel(ddp_model, **ddp_kwargs)
-    ddp_optimizer, deft_optimizer = make_optimizer(ddp_model), make_optimizer(deft_model)
+    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
     scratch = copy.deepcopy(base)
@@ -457,8 +460,8 @@ def delaying_profile(model, optimizer, loss_fn, batch, world_size: int = 2):
     3 ms forward and 1 ms backward per parameter, 2.5 ms per all-reduce."""
     import dataclasses
 
-    from deft_compile.plan import LinkCost
-    from deft_compile.profiler import profile_model
+    from deft_compile.planner.plan import LinkCost
+    from deft_compile.planner.profiler import profile_model
 
     profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
     params = [dataclasses.replace(p, forward_ms=3.0, backward_ms=1.0, update_ms=0.01) for p in profile.params]
@@ -525,7 +528,7 @@ def dssync_run(rank: int, world_size: int, steps: int, average: str = "gradients
 
     import torch.distributed as dist
 
-    from deft_compile.solvers import dssync_partition
+    from deft_compile.planner.solvers import dssync_partition
 
     (make_optimizer, make_batch, loss_fn, base,
      ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft("mlp_dropout_sgd")
@@ -539,7 +542,7 @@ def dssync_run(rank: int, world_size: int, steps: int, average: str = "gradients
         torch.manual_seed(100 * rank + t)
         step(inputs, targets)
         used = set(_re.findall(r"all_reduce\.default\([^,]+, 'sum', '([^']+)'", step.graph.graph_module.code))
-        members = [dist.get_process_group_ranks(pg) for pg in step._subgroups.values()
+        members = [dist.get_process_group_ranks(pg) for pg in step.policy_runtime.subgroups.values()
                    if isinstance(pg, dist.ProcessGroup) and pg.group_name in used]
         # Reference: same partition, own groups, gradients averaged within the group.
         partition = dssync_partition(world_size, 2, t, seed=7)

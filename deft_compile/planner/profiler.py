@@ -1,0 +1,279 @@
+"""Profiler: measured compute per parameter and all-reduce cost per link, agreed across ranks.
+
+Compute is measured on the captured step itself: the graph runs node by node
+under an ``fx.Interpreter`` on *copies* of the parameters, buffers, optimizer
+state and inputs (the live model is never touched, and the random-number state
+is restored afterwards so training draws the same numbers it would have),
+``warmup`` times and then ``repeats`` times; each node's fastest time is
+attributed to a parameter:
+
+* forward nodes to the parameter whose first use most recently started (its
+  "layer"), split evenly among parameters first used by the same node;
+* backward nodes between the gradient-ready events of two parameters to the
+  later one, so ``backward_ms`` is the gap the planner fills (nodes before the
+  first gradient is ready are ``extra_backward_ms``);
+* optimizer nodes to the parameter they update.
+
+Link costs come from timed all-reduces of several sizes, fitted to
+``alpha + beta * bytes`` (least squares, non-negative). Every rank measures,
+then all ranks take the maximum of each number, so every rank solves the same
+plan from the same profile.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from deft_compile.ir import ops
+from deft_compile.step.annotate import StepAnnotation
+from deft_compile.step.capture import CapturedStep
+from deft_compile.planner.plan import LinkCost, Profile
+from deft_compile.step.scheduling import ProfileIndex, static_profile
+
+
+# All-reduce sizes the profiler times to fit a link's alpha and beta.
+LINK_PROBE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+
+
+class _TimingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.times: dict[fx.Node, list[float]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output", "get_attr"):
+            return super().run_node(n)
+        started = time.perf_counter()
+        result = super().run_node(n)
+        self.times.setdefault(n, []).append((time.perf_counter() - started) * 1e3)
+        return result
+
+
+def measure_node_times(
+    captured: CapturedStep, inputs: Sequence[torch.Tensor], *, warmup: int = 1, repeats: int = 3
+) -> dict[fx.Node, float]:
+    """Milliseconds of every node of the captured graph (the minimum over ``repeats`` runs on copies of ``inputs``).
+
+    The minimum, not the median: on a shared machine a busy moment only ever
+    makes a node slower, and one skewed profile would bias the whole plan.
+    """
+    rng = torch.get_rng_state()
+    interpreter = _TimingInterpreter(captured.graph_module)
+    try:
+        with torch.no_grad():
+            for run in range(warmup + repeats):
+                copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+                if run == warmup:
+                    interpreter.times.clear()
+                interpreter.run(*copies)
+    finally:
+        torch.set_rng_state(rng)
+    return {node: min(samples) for node, samples in interpreter.times.items()}
+
+
+def attribute_times(
+    annotation: StepAnnotation, index: ProfileIndex, node_ms: dict[fx.Node, float]
+) -> dict[Any, Any]:
+    """Per captured parameter index: (forward_ms, backward_ms, update_ms); plus the extras."""
+    order = annotation.order
+    forward_end = order[annotation.forward_end]
+    ready_positions = [(order[annotation.params[c].gradient_ready], c) for c in index.ready]
+    update_of: dict[fx.Node, int] = {}
+    for a in annotation.params:
+        for node in a.update_nodes:
+            update_of[node] = a.index
+    starts: dict[int, list[int]] = {}
+    for a in annotation.params:
+        if a.first_forward_use is not None and a.index in index.ready:
+            starts.setdefault(order[a.first_forward_use], []).append(a.index)
+    layer_starts = sorted(starts.items())
+    forward = {c: 0.0 for c in index.ready}
+    backward = {c: 0.0 for c in index.ready}
+    update = {c: 0.0 for c in index.ready}
+    extra_backward = 0.0
+    extra_forward = 0.0
+    last_ready = max((p for p, _ in ready_positions), default=forward_end)
+    first_ready = min((p for p, _ in ready_positions), default=forward_end)
+    for node, ms in node_ms.items():
+        position = order.get(node)
+        if position is None or _removed_before_running(node):
+            continue
+        if node in update_of:
+            if update_of[node] in update:
+                update[update_of[node]] += ms
+        elif position < forward_end:
+            owners = None
+            for start, params in layer_starts:
+                if start <= position:
+                    owners = params
+                else:
+                    break
+            if owners is None:
+                extra_forward += ms
+            else:
+                for c in owners:
+                    forward[c] += ms / len(owners)
+        elif position <= last_ready:
+            if position < first_ready:
+                extra_backward += ms
+            else:
+                backward[next(c for p, c in ready_positions if p >= position)] += ms
+    result: dict[Any, Any] = {c: (forward[c], backward[c], update[c]) for c in index.ready}
+    result["extra_forward_ms"] = extra_forward
+    result["extra_backward_ms"] = extra_backward
+    return result
+
+
+def _removed_before_running(node: fx.Node) -> bool:
+    """Markers and record-function nodes are stripped by the passes; their time is not the step's."""
+    target = node.target
+    return target in ops.MARKERS or (isinstance(target, torch._ops.OpOverload) and target.namespace == "profiler")
+
+
+def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, warmup: int = 1) -> list[tuple[int, float]]:
+    """Median all-reduce time (ms) of a float32 tensor per size, over ``group``; every rank must call it.
+
+    Each repeat starts after a barrier and its time is the slowest rank's (a MAX
+    all-reduce of the per-rank times), so all ranks return the same numbers and a
+    rank that arrived late cannot make the link look fast.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    results = []
+    for size in sizes_bytes:
+        tensor = torch.ones(max(1, int(size) // 4), dtype=torch.float32)
+        for _ in range(warmup):
+            dist.all_reduce(tensor, group=group)
+        times = torch.zeros(repeats, dtype=torch.float64)
+        for index in range(repeats):
+            dist.barrier(group=group)
+            started = time.perf_counter()
+            dist.all_reduce(tensor, group=group)
+            times[index] = (time.perf_counter() - started) * 1e3
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        results.append((tensor.numel() * 4, float(statistics.median(times.tolist()))))
+    return results
+
+
+def fit_alpha_beta(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``time_ms = alpha + beta * bytes`` with ``alpha, beta >= 0``.
+
+    Exact two-variable NNLS: the unconstrained solution if it is feasible,
+    otherwise the best of the boundary fits (alpha = 0, beta = 0, both 0).
+    Negative values would make the planner believe in free or time-travelling
+    messages, so they are clamped by refitting, not by truncation.
+    """
+    points = [(float(x), float(y)) for x, y in samples]
+    if len(points) < 2 or len({x for x, _ in points}) < 2:
+        raise ValueError(f"fit_alpha_beta needs samples at two or more distinct sizes, got {len(points)} sample(s)")
+    if not all(math.isfinite(x) and math.isfinite(y) for x, y in points):
+        raise ValueError("fit_alpha_beta got a non-finite sample")
+    n = len(points)
+    sx = sum(x for x, _ in points)
+    sy = sum(y for _, y in points)
+    sxx = sum(x * x for x, _ in points)
+    sxy = sum(x * y for x, y in points)
+
+    def residual(alpha: float, beta: float) -> float:
+        return sum((y - alpha - beta * x) ** 2 for x, y in points)
+
+    denominator = n * sxx - sx * sx
+    beta = (n * sxy - sx * sy) / denominator
+    alpha = (sy - beta * sx) / n
+    if alpha >= 0 and beta >= 0:
+        return alpha, beta
+    candidates = [(0.0, 0.0), (max(0.0, sy / n), 0.0)]
+    if sxx > 0:
+        candidates.append((0.0, max(0.0, sxy / sxx)))
+    return min(candidates, key=lambda ab: residual(*ab))
+
+
+
+def agree_across_ranks(profile: Profile, group: dist.ProcessGroup) -> Profile:
+    """Every rank gets the element-wise maximum of all ranks' measurements."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, profile.to_dict(), group=group)
+    merged = gathered[0]
+    for other in gathered[1:]:
+        for mine, theirs in zip(merged["params"], other["params"]):
+            for key in ("forward_ms", "backward_ms", "update_ms"):
+                mine[key] = max(mine[key], theirs[key])
+        for mine, theirs in zip(merged["links"], other["links"]):
+            for key in ("alpha_ms", "beta_ms_per_byte"):
+                mine[key] = max(mine[key], theirs[key])
+        for key in ("extra_forward_ms", "extra_backward_ms"):
+            merged[key] = max(merged[key], other[key])
+    return Profile.from_dict(merged)
+
+
+def profile_step(
+    captured: CapturedStep,
+    annotation: StepAnnotation,
+    inputs: Sequence[torch.Tensor],
+    groups: Sequence[tuple[str, dist.ProcessGroup]],
+    world_size: int,
+    *,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> Profile:
+    """Measure compute and links on this rank, then agree with the other ranks (if any)."""
+    index = ProfileIndex.of(annotation)
+    node_ms = measure_node_times(captured, inputs, warmup=warmup, repeats=repeats)
+    timings = attribute_times(annotation, index, node_ms)
+    links = [LinkCost(name, *fit_alpha_beta(measure_allreduce(group, LINK_PROBE_BYTES, repeats=3))) for name, group in groups]
+    if not links:
+        links = [LinkCost("local", 0.0, 0.0)]
+    profile = static_profile(captured, index, links, world_size, timings)
+    if groups:
+        profile = agree_across_ranks(profile, groups[0][1])
+    return profile
+
+
+def profile_model(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    measure: bool = True,
+    links: Sequence[LinkCost] = (),
+    world_size: int = 1,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> Profile:
+    """Profile one process's step without training: capture, optionally time, return a ``Profile``.
+
+    Nothing of the model or optimizer changes. With ``measure=False`` the
+    times are zero (sizes, layers and gradient-ready order only), for
+    building a profile by hand or from another machine's numbers.
+    """
+    from deft_compile.step.capture import capture_step, split_user_inputs
+    from deft_compile.step.optim_support import lr_inputs
+    from deft_compile.step.pipeline import annotate_capture
+
+    kwargs = kwargs or {}
+    state_slots = [
+        (i, key)
+        for i, p in enumerate(model.parameters())
+        for key, value in optimizer.state.get(p, {}).items()
+        if isinstance(value, torch.Tensor)
+    ]
+    captured = capture_step(model, optimizer, loss_fn, args, kwargs, state_slots)
+    annotation = annotate_capture(captured)
+    index = ProfileIndex.of(annotation)
+    timings = None
+    if measure:
+        user_tensors, _, _ = split_user_inputs(args, kwargs)
+        params = captured.model_state.params
+        state = [optimizer.state[params[i]][key] for i, key in state_slots]
+        inputs = [*params, *captured.model_state.buffers, *state, *user_tensors, *lr_inputs(optimizer)]
+        timings = attribute_times(annotation, index, measure_node_times(captured, inputs, warmup=warmup, repeats=repeats))
+    return static_profile(captured, index, list(links) or [LinkCost("local", 0.0, 0.0)], world_size, timings)

@@ -1,0 +1,44 @@
+"""Solvers: turn a Profile into a Plan for one scheduling policy.
+
+``solve(profile, policy, **options)`` dispatches to ``wfbp``,
+``bytescheduler``, ``usbyte``, ``deft``, ``dssync`` or ``dlcp``; each module's docstring states its
+algorithm, search and assumptions. No torch here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from deft_compile.planner.plan import Plan, Profile
+from deft_compile.planner.solvers.bytescheduler import solve_bytescheduler
+from deft_compile.planner.solvers.deft import solve_deft
+from deft_compile.planner.solvers.dlcp import solve_dlcp
+from deft_compile.planner.solvers.dssync import dssync_partition, solve_dssync
+from deft_compile.planner.solvers.knapsack import knapsack_01, knapsack_time
+from deft_compile.planner.solvers.usbyte import solve_usbyte
+from deft_compile.planner.solvers.wfbp import solve_wfbp
+
+SOLVERS: dict[str, Callable[..., Plan]] = {
+    "wfbp": solve_wfbp,
+    "bytescheduler": solve_bytescheduler,
+    "usbyte": solve_usbyte,
+    "deft": solve_deft,
+    "dssync": solve_dssync,
+    "dlcp": solve_dlcp,
+}
+POLICIES: tuple[str, ...] = tuple(SOLVERS)
+# The communication schedulers the papers compare; DS-Sync and DLCP change what is averaged.
+SCHEDULING_POLICIES: tuple[str, ...] = ("wfbp", "bytescheduler", "usbyte", "deft")
+
+
+def solve(profile: Profile, policy: str, **options: Any) -> Plan:
+    """Plan for ``policy`` on ``profile``; options go to that policy's solver."""
+    try:
+        solver = SOLVERS[policy]
+    except KeyError:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}") from None
+    return solver(profile, **options)
+
+
+__all__ = ["POLICIES", "SCHEDULING_POLICIES", "SOLVERS", "dssync_partition", "knapsack_01", "knapsack_time", "solve", "solve_bytescheduler",
+           "solve_deft", "solve_dlcp", "solve_dssync", "solve_usbyte", "solve_wfbp"]

@@ -1,0 +1,343 @@
+"""DeFT: delayed updates chosen by two 0/1 knapsacks, adaptive period, several links.
+
+Algorithm (our reading of Meng & Sun, see DESIGN.md §1 and §3):
+
+1. Items are DDP's buckets in DDP order; they are never reordered or merged.
+   With several links each bucket is cut into per-link shares sized so all
+   shares finish together (x_l = (T - α_l)/β_l with Σ x_l = bytes; links whose
+   share would be negative are dropped), if that beats the best single link.
+   The bucket's weight is then its share time (the shares run in parallel).
+2. Period K: if the coverage rate CR = (busiest link's comm per step) /
+   (T_F + T_B) exceeds 1/(1 + margin), pick the smallest K <= max_period for
+   which making the largest buckets periodic (greedily, largest first) brings
+   the per-step load under (T_F + T_B)/(1 + margin); their offsets are
+   balanced over the K phases (largest first onto the lightest phase). Knapsack
+   weights are amortised: c_i / K_i.
+3. Two knapsacks. Forward knapsack: capacity T_F (merged forward compute),
+   weight = comm time, value = comm time minus ``staleness_penalty_ms``;
+   chosen buckets get d=1, window ``forward-next`` (issued at the start of the
+   next forward, waited before the next update). Backward knapsack: capacity
+   T_B minus the comm time of the synchronous buckets that must also cross the
+   link during backward, chosen buckets get d=1, window ``backward-next``. The
+   rest stays d=0 exactly as in WFBP. Only a suffix of the buckets (the last
+   ready, input side: those WFBP leaves exposed) is eligible; the suffix start
+   is searched over up to ``suffix_candidates`` values. One DP pass in reverse
+   bucket order gives the forward knapsack of every suffix at once.
+4. Every candidate is scored by the simulator; the fastest wins, and among
+   those within ``tie_tolerance`` the one delaying the fewest bytes (then no
+   period). If it is not faster than WFBP, the WFBP plan is returned, so the
+   DeFT plan is never slower than WFBP in simulation.
+
+The knapsack DP is exact on weights discretised to ``capacity/units`` ms
+(weights rounded up, capacity down: a chosen set never over-fills the real
+capacity); ``units`` defaults to 1024.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
+from deft_compile.planner.plan import (
+    UPDATE_AT_NEXT_STEP,
+    UPDATE_AT_STEP,
+    WAIT_BEFORE_NEXT_UPDATE,
+    WAIT_END_OF_BACKWARD,
+    WINDOW_BACKWARD,
+    WINDOW_BACKWARD_NEXT,
+    WINDOW_FORWARD_NEXT,
+    CommItem,
+    LinkCost,
+    Plan,
+    Profile,
+)
+from deft_compile.planner.simulator import BucketScheduleEvaluator, simulate
+from deft_compile.planner.solvers.common import finish, split_slices
+from deft_compile.planner.solvers.knapsack import DEFAULT_UNITS, discretise, knapsack_01
+from deft_compile.planner.solvers.wfbp import wfbp_items
+
+# bucket kinds; chosen equal to the simulator's window codes (forward-next,
+# backward-next, backward) so a kind array is directly a window array
+_FWD, _BWD_NEXT, _SYNC = 0, 1, 2
+
+
+def link_shares(numel: int, element_bytes: int, links: list[LinkCost],
+                link_ids: list[int]) -> list[tuple[int, int]]:
+    """Split ``numel`` elements over links so that all shares end together.
+
+    Returns [(link index, element count)], in link order; a single
+    (fastest link, numel) when splitting does not pay: the time saved must
+    exceed the latency α the added links spend (small buckets stay whole).
+    """
+    nbytes = numel * element_bytes
+    single = min(link_ids, key=lambda l: (links[l].cost(nbytes), l))
+    if len(link_ids) < 2 or any(links[l].beta_ms_per_byte <= 0 for l in link_ids):
+        return [(single, numel)]
+    use = sorted(link_ids)
+    while True:
+        inv = sum(1.0 / links[l].beta_ms_per_byte for l in use)
+        finish_ms = (nbytes + sum(links[l].alpha_ms / links[l].beta_ms_per_byte for l in use)) / inv
+        shares = {l: (finish_ms - links[l].alpha_ms) / links[l].beta_ms_per_byte for l in use}
+        negative = [l for l, x in shares.items() if x <= 0]
+        if not negative:
+            break
+        use = [l for l in use if l not in negative]
+        if len(use) < 2:
+            return [(single, numel)]
+    counts = {l: int(shares[l] // element_bytes) for l in use}
+    counts[single if single in counts else use[0]] += numel - sum(counts.values())
+    result = [(l, c) for l, c in sorted(counts.items()) if c > 0]
+    split_ms = max(links[l].cost(c * element_bytes) for l, c in result)
+    # the time saved must pay for the extra latency every added link spends on it
+    extra_alpha = sum(links[l].alpha_ms for l, _ in result if l != single)
+    if len(result) < 2 or split_ms + extra_alpha >= links[single].cost(nbytes):
+        return [(single, numel)]
+    return result
+
+
+def suffix_knapsacks(weights: list[int], values: list[float], capacity: int):
+    """0/1 knapsack of every suffix {k..n-1} of the items from one DP pass.
+
+    Items are added in reverse order, so after adding item k the table is
+    the optimum over the suffix starting at k. Returns ``chosen(k)``.
+    """
+    n = len(weights)
+    best = np.zeros(max(capacity, 0) + 1)
+    taken = np.zeros((n, max(capacity, 0) + 1), dtype=bool)
+    for i in range(n - 1, -1, -1):
+        w, v = int(weights[i]), float(values[i])
+        if v <= 0 or w > capacity:
+            continue
+        if w == 0:
+            best += v
+            taken[i] = True
+            continue
+        candidate = best[:-w] + v
+        np.greater(candidate, best[w:], out=taken[i, w:])
+        np.maximum(best[w:], candidate, out=best[w:])
+
+    def chosen(k: int) -> list[int]:
+        result = []
+        c = max(capacity, 0)
+        for i in range(k, n):
+            if taken[i, c]:
+                result.append(i)
+                c -= int(weights[i])
+        return result
+
+    return chosen
+
+
+@dataclass
+class _Candidate:
+    iteration_ms: float
+    delayed_bytes: int
+    periodic: bool
+    suffix: int
+    kind: np.ndarray
+    period: np.ndarray
+    offset: np.ndarray
+
+
+def _period_config(costs: np.ndarray, share_loads: np.ndarray, capacity: float, margin: float,
+                   max_period: int, pinned: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Smallest K (and which buckets) that brings the busiest link under capacity/(1+margin).
+
+    ``pinned`` buckets (kept synchronous) never get a period; their load stays whole.
+    """
+    n = len(costs)
+    target = capacity / (1.0 + margin)
+    movable = [i for i in range(n) if pinned is None or not pinned[i]]
+    by_size = sorted(movable, key=lambda i: (-costs[i], i))
+    chosen_k, chosen_set = max_period, list(by_size)
+    total = share_loads.sum(axis=0)
+    # load_m = total - (1 - 1/k) * (loads of the m largest buckets), m = 0..n
+    largest_first = np.vstack([np.zeros(share_loads.shape[1]),
+                               np.cumsum(share_loads[by_size], axis=0)])
+    for k in range(2, max_period + 1):
+        busiest = (total - (1.0 - 1.0 / k) * largest_first).max(axis=1)
+        fits = np.flatnonzero(busiest <= target)
+        if len(fits):
+            chosen_k, chosen_set = k, by_size[: int(fits[0])]
+            break
+    period = np.ones(n, dtype=np.int64)
+    offset = np.zeros(n, dtype=np.int64)
+    phase_load = [0.0] * chosen_k
+    for i in sorted(chosen_set, key=lambda i: (-costs[i], i)):
+        phase = min(range(chosen_k), key=lambda p: (phase_load[p], p))
+        phase_load[phase] += costs[i]
+        period[i] = chosen_k
+        offset[i] = phase
+    return period, offset
+
+
+def solve_deft(
+    profile: Profile,
+    *,
+    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+    bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+    max_staleness: int = 1,
+    allow_period: bool = True,
+    max_period: int = 4,
+    period_margin: float = 0.1,
+    staleness_penalty_ms: float = 0.0,
+    keep_synchronous: list[str] | tuple[str, ...] = (),
+    links: list[int] | None = None,
+    units: int = DEFAULT_UNITS,
+    suffix_candidates: int = 10,
+    tie_tolerance: float = 0.002,
+) -> Plan:
+    """DeFT's plan (see module docstring). ``max_staleness=0`` returns WFBP's items.
+
+    Args:
+        max_staleness: 0 forbids every deviation from synchronous DDP (no
+            delays, no period, no link split); 1 allows d=1.
+        allow_period, max_period: adaptive update period K in 2..max_period.
+        period_margin: safety margin on the capacity when choosing K.
+        staleness_penalty_ms: subtracted from each delayed bucket's value, so a
+            bucket is delayed only if it hides more than this.
+        keep_synchronous: parameter names (``fnmatch`` patterns) whose buckets
+            stay exactly as in DDP: never delayed, never periodic. The
+            Preserver fills it with the buckets whose staleness error it
+            measured to be too high; users may name staleness-sensitive
+            parameters (e.g. a tied embedding) up front.
+        links: link indices DeFT may use (default: all links of the profile).
+        units: knapsack resolution, capacity/units ms.
+        suffix_candidates: how many suffix starts to try.
+        tie_tolerance: relative time difference treated as a tie.
+    """
+    options = {"first_bucket_bytes": int(first_bucket_bytes), "bucket_cap_bytes": int(bucket_cap_bytes),
+               "max_staleness": int(max_staleness), "allow_period": bool(allow_period),
+               "max_period": int(max_period), "period_margin": float(period_margin),
+               "staleness_penalty_ms": float(staleness_penalty_ms),
+               "keep_synchronous": sorted({str(name) for name in keep_synchronous}),
+               "links": None if links is None else [int(l) for l in links], "units": int(units),
+               "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance)}
+    if max_staleness not in (0, 1):
+        raise ValueError("max_staleness must be 0 or 1 (delays are at most one step)")
+    buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
+    synchronous = wfbp_items(profile, buckets)
+    if max_staleness == 0:
+        return finish(profile, "deft", synchronous, options,
+                      {"fallback": "max_staleness=0: synchronous DDP buckets"})
+
+    link_ids = list(range(len(profile.links))) if links is None else sorted(set(links))
+    n = len(buckets)
+    slices = [item.slices for item in synchronous]
+    # -- items: bucket shares per link ------------------------------------------------
+    share_items: list[tuple[int, int, tuple]] = []  # (bucket, link, slices)
+    share_loads = np.zeros((n, len(profile.links)))
+    costs = np.zeros(n)
+    bucket_bytes = np.zeros(n, dtype=np.int64)
+    for b, bucket in enumerate(buckets):
+        numel = sum(profile.params[p].numel for p in bucket)
+        element_bytes = profile.params[bucket[0]].element_bytes
+        shares = link_shares(numel, element_bytes, profile.links, link_ids)
+        pieces = split_slices(slices[b], [c for _, c in shares])
+        for (link, count), piece in zip(shares, pieces):
+            share_items.append((b, link, piece))
+            share_loads[b, link] = profile.links[link].cost(count * element_bytes)
+        costs[b] = share_loads[b].max()
+        bucket_bytes[b] = numel * element_bytes
+    pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern)
+                           for p in bucket for pattern in options["keep_synchronous"])
+                       for bucket in buckets], dtype=bool)
+    group = np.array([b for b, _, _ in share_items], dtype=np.int64)
+    same_as_wfbp = len(share_items) == n and all(link == 0 for _, link, _ in share_items)
+    if same_as_wfbp:
+        layout = Plan("deft", synchronous)  # same items as WFBP: reuse them
+    else:
+        layout = Plan("deft", [CommItem(id=i, slices=piece, link=link, order=i, bucket=b)
+                               for i, (b, link, piece) in enumerate(share_items)])
+    evaluator = BucketScheduleEvaluator(profile, layout, group)
+
+    t_f, t_b = profile.forward_ms, profile.backward_ms
+    capacity = t_f + t_b
+    coverage = float(share_loads.sum(axis=0).max() / capacity) if capacity > 0 else math.inf
+    configs = [(np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))]
+    if allow_period and max_period >= 2 and coverage > 1.0 / (1.0 + period_margin):
+        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period, pinned))
+
+    if n <= suffix_candidates:
+        suffixes = list(range(n + 1))
+    else:
+        suffixes = sorted({int(round(x)) for x in np.linspace(0, n, suffix_candidates)})
+    candidates: list[_Candidate] = []
+    for period, offset in configs:
+        amortised = costs / period
+        values = [0.0 if pinned[i] else float(c) - staleness_penalty_ms for i, c in enumerate(amortised)]
+        f_weights, f_capacity, _ = discretise(amortised, t_f, units)
+        forward_of_suffix = suffix_knapsacks(f_weights, values, f_capacity)
+        for k in suffixes:
+            kind = np.full(n, _SYNC, dtype=np.int64)
+            forward = forward_of_suffix(k)
+            kind[forward] = _FWD
+            rest = [i for i in range(k, n) if kind[i] == _SYNC]
+            sync_load = float(amortised[:k].sum())
+            b_capacity = t_b - sync_load
+            if rest and b_capacity > 0:
+                b_weights, b_units, _ = discretise(amortised[rest], b_capacity, units)
+                _, picked = knapsack_01(b_weights, [values[i] for i in rest], b_units)
+                kind[[rest[j] for j in picked]] = _BWD_NEXT
+            candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k))
+    best_time = min(c.iteration_ms for c in candidates)
+    best = min((c for c in candidates if c.iteration_ms <= best_time * (1 + tie_tolerance)),
+               key=lambda c: (c.delayed_bytes, c.periodic, c.iteration_ms, -c.suffix))
+    metadata = {"coverage_rate": coverage, "buckets": n, "links_used": link_ids,
+                "candidates": len(candidates), "suffix": best.suffix,
+                "period": int(best.period.max()), "delayed_buckets": int((best.kind != _SYNC).sum()),
+                "forward_knapsack": int((best.kind == _FWD).sum()),
+                "backward_knapsack": int((best.kind == _BWD_NEXT).sum()),
+                "periodic_buckets": int((best.period > 1).sum()), "kept_synchronous": int(pinned.sum())}
+    if same_as_wfbp:  # all synchronous on the WFBP layout, measured as simulate() would
+        ones, zeros = np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        wfbp_ms = evaluator.iteration_ms(np.full(n, _SYNC), zeros, ones, zeros, np.arange(n),
+                                         iterations=2, warmup=3)
+    else:
+        wfbp_ms = simulate(profile, Plan("wfbp", synchronous), record=False, check=False).iteration_ms
+    items = _items(share_items, best)
+    plan = finish(profile, "deft", items, options, metadata)
+    if plan.predicted_iteration_ms >= wfbp_ms * (1 - tie_tolerance):
+        return finish(profile, "deft", synchronous, options,
+                      {**metadata, "fallback": "knapsack plan not faster than WFBP",
+                       "knapsack_iteration_ms": plan.predicted_iteration_ms})
+    return plan
+
+
+def _score(evaluator: BucketScheduleEvaluator, kind: np.ndarray, period: np.ndarray,
+           offset: np.ndarray, group: np.ndarray, bucket_bytes: np.ndarray, suffix: int) -> _Candidate:
+    window = kind  # kind codes are the simulator's window codes (0, 1, 2)
+    delay = (kind != _SYNC).astype(np.int64)
+    rank = _issue_rank(kind, group)
+    iteration = evaluator.iteration_ms(window, delay, period, offset, rank)
+    return _Candidate(iteration, int(bucket_bytes[kind != _SYNC].sum()), bool((period > 1).any()),
+                      suffix, kind, period, offset)
+
+
+def _issue_rank(kind: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Issue order: forward-next buckets, backward-next buckets, then synchronous, each in DDP order."""
+    keys = kind[group] * (len(group) + 1) + np.arange(len(group))
+    rank = np.empty(len(group), dtype=np.int64)
+    rank[np.argsort(keys, kind="stable")] = np.arange(len(group))
+    return rank
+
+
+def _items(share_items: list[tuple[int, int, tuple]], best: _Candidate) -> list[CommItem]:
+    group = np.array([b for b, _, _ in share_items], dtype=np.int64)
+    rank = _issue_rank(best.kind, group)
+    items = []
+    for i, (b, link, piece) in enumerate(share_items):
+        kind = int(best.kind[b])
+        delayed = kind != _SYNC
+        items.append(CommItem(
+            id=int(rank[i]), slices=piece, link=link,
+            window={_FWD: WINDOW_FORWARD_NEXT, _BWD_NEXT: WINDOW_BACKWARD_NEXT,
+                    _SYNC: WINDOW_BACKWARD}[kind],
+            delay=int(delayed), period=int(best.period[b]), period_offset=int(best.offset[b]),
+            order=int(rank[i]), wait_at=WAIT_BEFORE_NEXT_UPDATE if delayed else WAIT_END_OF_BACKWARD,
+            update_at=UPDATE_AT_NEXT_STEP if delayed else UPDATE_AT_STEP, bucket=b))
+    return items

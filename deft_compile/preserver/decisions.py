@@ -1,0 +1,320 @@
+"""Preserver: watch what staleness and update periods cost while training, and back off.
+
+DeFT's delays (apply step t's averaged gradient at step t+1) and update periods
+(communicate every K steps) buy speed with convergence. Measured here (docs/
+CONVERGENCE.md): on a small transformer under AdamW, one step of staleness on
+a single input-side bucket already costs several percent of validation loss,
+while on a CNN under SGD the same plans cost nothing measurable. So a plan is
+checked while it trains, from signals that are identical on every rank (so
+every rank takes the same decision without extra agreement):
+
+* **staleness error** of each bucket:
+  ``‖g(w_{t+1}; B_t) − g(w_t; B_t)‖ / ‖g(w_t; B_t)‖`` on the *same* minibatch
+  (:mod:`deft_compile.preserver.staleness`), summed over ranks, times the bucket's mean
+  staleness in steps (``d + (K − 1)/2``, at least 1). It is the relative error
+  a one-step-stale update makes beyond ordinary sampling noise. A bucket whose
+  median over the last measurements exceeds ``staleness_threshold`` is
+  *pinned*: its parameters join the solver's ``keep_synchronous`` list and the
+  plan is re-solved, so the knapsack may delay other, less sensitive buckets
+  instead. This is DeFT's "move buckets back to synchronous", bucket by
+  bucket. The error is measured for synchronous buckets too, so a pinned
+  bucket is released when its error falls (the learning rate decays).
+* **loss** averaged over all ranks and over a window of ``check_every`` steps.
+  A window mean above the best window so far by more than ``loss_tolerance``
+  (relative) *and* ``loss_floor`` (absolute), ``patience`` times in a row,
+  means training falls behind; one above ``divergence_factor`` times the best
+  (or not finite) means it diverges and is acted on at once. Optionally
+  (``probe_every``), a short synchronous reference window is run and its mean
+  loss compared with the delayed window just before it.
+
+A loss signal steps down a ladder of global options and re-solves: halve the
+largest update period (down to no period), then price staleness so only
+buckets that hide much more communication stay delayed, then fully synchronous
+(DDP). Pending gradients are flushed before every switch, so none is lost.
+Every decision is logged on the ``deft_compile`` logger and kept in
+``history`` (and in ``CompiledStep.plan_history``).
+
+The decision logic here is pure Python; the runtime measures and applies it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("deft_compile")
+
+
+@dataclass(frozen=True)
+class PreserverConfig:
+    """Thresholds of the Preserver (on by default for ``policy="deft"``).
+
+    Attributes:
+        enabled: turn the Preserver on or off.
+        check_every: steps per loss window.
+        staleness_every: steps between two staleness-error measurements (each
+            costs two eager forward/backward passes); 0 turns the signal off.
+            Two early measurements, at ``staleness_every // 5`` and twice
+            that, catch harm in the first steps.
+        staleness_threshold: median of an item's last ``staleness_window``
+            staleness errors (relative gradient error × mean staleness in
+            steps) above which the item is kept synchronous. The default 0.2
+            separates the two real tasks of docs/CONVERGENCE.md: medians of
+            0.02–0.09 where delays cost nothing (CNN, SGD) and 0.25–0.37 where
+            they cost 3–15 % of validation loss (transformer, AdamW).
+        release_ratio: a pinned bucket is released (may be delayed again)
+            when its median falls below ``staleness_threshold ×
+            release_ratio``: the error is a property of the training
+            dynamics, measured for every bucket, and falls as the learning
+            rate decays.
+        staleness_window: measurements per decision; the median ignores a
+            single spike (a batch the model already fits has a tiny gradient
+            and a large relative error).
+        loss_tolerance: relative excess of a window's mean loss over the best
+            window mean (or over the synchronous probe window) that counts as
+            harm.
+        loss_floor: absolute excess that must also be crossed, so noise near
+            zero loss is not taken for harm.
+        patience: consecutive harmful loss windows before acting.
+        divergence_factor: a window mean above this multiple of the best (or
+            not finite) is acted on at once, before the model is ruined.
+        probe_every: if > 0, every ``probe_every`` steps run ``probe_window``
+            synchronous steps and compare their mean loss with the preceding
+            ``probe_window`` steps of the current plan.
+        probe_window: steps in a synchronous probe window.
+    """
+
+    enabled: bool = True
+    check_every: int = 10
+    staleness_every: int = 25
+    staleness_threshold: float = 0.2
+    staleness_window: int = 3
+    release_ratio: float = 0.5
+    loss_tolerance: float = 0.05
+    loss_floor: float = 0.02
+    patience: int = 2
+    divergence_factor: float = 2.0
+    probe_every: int = 0
+    probe_window: int = 5
+
+    def __post_init__(self) -> None:
+        if self.divergence_factor <= 1.0:
+            raise ValueError("divergence_factor must be above 1")
+        if self.check_every < 1 or self.probe_window < 1 or self.patience < 1:
+            raise ValueError("check_every, probe_window and patience must be at least 1")
+        if self.staleness_every < 0:
+            raise ValueError("staleness_every must be >= 0 (0 turns the staleness error off)")
+        if not 0.0 <= self.release_ratio <= 1.0:
+            raise ValueError("release_ratio must be in [0, 1]")
+        if self.staleness_window < 1:
+            raise ValueError("staleness_window must be at least 1")
+
+
+@dataclass
+class PreserverEvent:
+    """One Preserver decision: when, why, the measurements, and the solver options adopted."""
+
+    step: int
+    reason: str
+    metrics: dict[str, Any]
+    options: dict[str, Any]
+    level: int
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.reason} -> level {self.level} {self.options}"
+
+
+@dataclass
+class Preserver:
+    """Tracks the signals and walks the ladder of more conservative solver options."""
+
+    config: PreserverConfig
+    base_options: dict[str, Any]
+    max_period: int = 1
+    mean_comm_ms: float = 0.0
+    history: list[PreserverEvent] = field(default_factory=list)
+    level: int = 0
+
+    def __post_init__(self) -> None:
+        self._errors: dict[tuple[str, ...], list[float]] = {}
+        # pinned bucket (its parameter names) -> its mean staleness when pinned, by which it is judged
+        self._pins: dict[tuple[str, ...], float] = {}
+        self.staleness_log: list[tuple[int, dict[str, float]]] = []  # every measurement: (step, {names: error})
+        self._best_loss: float | None = None
+        self._harmful_windows = 0
+        self._ladder = self._build_ladder()
+
+    # -- the ladder -----------------------------------------------------------
+    def _build_ladder(self) -> list[tuple[str, dict[str, Any]]]:
+        ladder: list[tuple[str, dict[str, Any]]] = [("as configured", dict(self.base_options))]
+        period = self.max_period
+        if self.base_options.get("allow_period", True):
+            while period > 2:
+                period //= 2
+                ladder.append((f"update period at most {period}", {**self.base_options, "max_period": period}))
+            ladder.append(("no update period", {**self.base_options, "allow_period": False}))
+        no_period = ladder[-1][1]
+        penalty = max(self.mean_comm_ms, 1e-3) * 0.5
+        ladder.append(
+            (
+                f"delay only buckets hiding > {penalty:.3g} ms more than their staleness price",
+                {**no_period, "allow_period": False, "staleness_penalty_ms": penalty},
+            )
+        )
+        ladder.append(("synchronous (no delays, no period)", {**no_period, "max_staleness": 0, "allow_period": False}))
+        return ladder
+
+    @property
+    def pinned(self) -> set[str]:
+        """Parameter names the Preserver keeps synchronous."""
+        return {name for names in self._pins for name in names}
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Solver options of the current level, with the pinned parameters kept synchronous."""
+        options = dict(self._ladder[self.level][1])
+        if self.pinned:  # names, escaped so the solver's fnmatch matches them literally
+            pinned = {re.sub(r"([\[\]*?])", r"[\1]", name) for name in self.pinned}
+            options["keep_synchronous"] = sorted(set(options.get("keep_synchronous", ())) | pinned)
+        return options
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue this Preserver's decisions (saved by ``CompiledStep.state_dict``)."""
+        return {
+            "level": self.level,
+            "pins": [[list(names), s] for names, s in sorted(self._pins.items())],
+            "errors": [[list(names), list(values)] for names, values in sorted(self._errors.items())],
+            "best_loss": self._best_loss,
+            "harmful_windows": self._harmful_windows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.level = min(int(state["level"]), len(self._ladder) - 1)
+        self._pins = {tuple(names): float(s) for names, s in state["pins"]}
+        self._errors = {tuple(names): [float(v) for v in values] for names, values in state["errors"]}
+        self._best_loss = state["best_loss"]
+        self._harmful_windows = int(state["harmful_windows"])
+
+    @property
+    def exhausted(self) -> bool:
+        return self.level >= len(self._ladder) - 1
+
+    def _step_down(self, step: int, reason: str, metrics: dict[str, Any]) -> PreserverEvent | None:
+        if self.exhausted:
+            return None
+        self.level += 1
+        name = self._ladder[self.level][0]
+        return self._record(step, f"{reason}; re-planning: {name}", metrics)
+
+    def staleness_due(self, step: int) -> bool:
+        """Whether the staleness error is measured at (1-based) ``step``."""
+        every = self.config.staleness_every
+        if not every:
+            return False
+        early = max(1, every // 5)
+        return step % every == 0 or step in (early, 2 * early)
+
+    def _record(self, step: int, reason: str, metrics: dict[str, Any]) -> PreserverEvent:
+        self._errors.clear()
+        self._best_loss = None
+        self._harmful_windows = 0
+        options = self.options
+        event = PreserverEvent(step=step, reason=reason, metrics=metrics, options=options, level=self.level)
+        self.history.append(event)
+        log.warning("Preserver at step %d: %s", step, event.reason)
+        from deft_compile.debug.artifacts import log_structured
+
+        log_structured("preserver", {"step": step, "reason": event.reason, "level": self.level, "options": options,
+                                     "metrics": metrics})
+        return event
+
+    def observe_staleness(
+        self, step: int, errors: dict[tuple[str, ...], float | tuple[float, float]]
+    ) -> PreserverEvent | None:
+        """Staleness errors of every bucket, keyed by its parameter names: the relative gradient change of one
+        step, with the bucket's mean staleness in steps under the current plan (``(error, staleness)``; a bare
+        number means staleness 1). Pins stale buckets whose median error × staleness exceeds
+        ``staleness_threshold``, and releases pinned ones whose median falls under ``staleness_threshold ×
+        release_ratio``, judged with the staleness they had when pinned (a pinned bucket's own staleness is 1;
+        judging it by that would release and re-pin the same bucket over and over)."""
+        scaled = {}
+        for names, value in errors.items():
+            error, staleness = value if isinstance(value, tuple) else (value, 1.0)
+            scaled[names] = error * self._pins.get(names, staleness)
+        self.staleness_log.append((step, {"+".join(names): error for names, error in scaled.items()}))
+        window = self.config.staleness_window
+        for names, error in scaled.items():
+            self._errors[names] = (self._errors.get(names, []) + [error])[-window:]
+        medians = {names: statistics.median(values) for names, values in self._errors.items() if len(values) == window}
+        threshold = self.config.staleness_threshold
+        patterns = self.base_options.get("keep_synchronous", ())  # the user's: synchronous already, never released
+
+        def user_kept(names: tuple[str, ...]) -> bool:
+            return all(any(fnmatch.fnmatchcase(n, p) for p in patterns) for n in names)
+
+        over = {names: e for names, e in medians.items()
+                if e > threshold and names not in self._pins and not user_kept(names)}
+        under = {names: e for names, e in medians.items()
+                 if e < threshold * self.config.release_ratio and names in self._pins}
+        if self.exhausted or not (over or under):
+            return None
+        for names in over:
+            value = errors[names]
+            self._pins[names] = value[1] if isinstance(value, tuple) else 1.0
+        for names in under:
+            del self._pins[names]
+
+        def described(group: dict[tuple[str, ...], float]) -> str:
+            return ", ".join(f"{'+'.join(names)} ({e:.2f})" for names, e in sorted(group.items(), key=lambda kv: -kv[1]))
+
+        parts = ([f"median staleness error above {threshold:g}: {described(over)}"] if over else []) + (
+            [f"below {threshold * self.config.release_ratio:g} again: {described(under)}"] if under else [])
+        metrics = {"staleness_error_median": {"+".join(k): v for k, v in medians.items()}}
+        return self._record(
+            step, f"{'; '.join(parts)}; re-planning with {len(self.pinned)} parameter(s) kept synchronous", metrics
+        )
+
+    # -- signals --------------------------------------------------------------
+    def observe_window(self, step: int, mean_loss: float) -> PreserverEvent | None:
+        """One loss window ended with this all-rank mean loss. Returns a decision or None."""
+        metrics: dict[str, Any] = {"mean_loss": mean_loss}
+        if not math.isfinite(mean_loss) or (
+            self._best_loss is not None and mean_loss > self._best_loss * self.config.divergence_factor
+            and mean_loss - self._best_loss > self.config.loss_floor
+        ):
+            return self._step_down(step, f"training diverges: window mean loss {mean_loss:.4g} (best {self._best_loss})", metrics)
+        if self._best_loss is None or mean_loss < self._best_loss:
+            self._best_loss = mean_loss
+            self._harmful_windows = 0
+        elif (mean_loss > self._best_loss * (1 + self.config.loss_tolerance)
+              and mean_loss - self._best_loss > self.config.loss_floor):
+            self._harmful_windows += 1
+            if self._harmful_windows >= self.config.patience:
+                return self._step_down(
+                    step,
+                    f"window mean loss {mean_loss:.4g} exceeds the best {self._best_loss:.4g} by more than "
+                    f"{self.config.loss_tolerance:.0%} and {self.config.loss_floor:g} for {self._harmful_windows} windows",
+                    metrics,
+                )
+        else:
+            self._harmful_windows = 0
+        return None
+
+    def observe_probe(self, step: int, plan_losses: list[float], sync_losses: list[float]) -> PreserverEvent | None:
+        """Compare a synchronous reference window with the window of the current plan just before it."""
+        plan_mean, sync_mean = statistics.fmean(plan_losses), statistics.fmean(sync_losses)
+        metrics = {"plan_window_loss": plan_mean, "sync_window_loss": sync_mean}
+        if plan_mean > sync_mean * (1 + self.config.loss_tolerance) and plan_mean - sync_mean > self.config.loss_floor:
+            return self._step_down(
+                step,
+                f"mean loss under the plan {plan_mean:.4g} exceeds the synchronous reference window {sync_mean:.4g} "
+                f"by more than {self.config.loss_tolerance:.0%}",
+                metrics,
+            )
+        log.info("Preserver probe at step %d: plan %.4g vs synchronous %.4g: keep the plan", step, plan_mean, sync_mean)
+        return None

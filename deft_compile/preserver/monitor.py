@@ -1,0 +1,173 @@
+"""Measures the Preserver's signals around compiled steps and applies its decisions.
+
+Kept apart from :mod:`deft_compile.preserver` (pure decisions) and from the
+runtime (graphs): this module knows which tensors to look at. Costs per step
+are one ``loss.item()``; at the end of each loss window one all-reduce of one
+number. Every ``staleness_every`` steps, when the plan has stale items (or
+buckets the Preserver pinned), it copies the parameters before the step and
+afterwards recomputes the step's minibatch gradient at both weights (two eager
+forward/backward passes, see :mod:`deft_compile.preserver.staleness`), then all-reduces
+two numbers per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
+from deft_compile.planner.plan import Plan
+from deft_compile.preserver.decisions import Preserver, PreserverEvent
+from deft_compile.preserver.staleness import same_batch_gradient_change
+
+
+class WatchedStep(Protocol):
+    """What the monitor reads from and asks of the step it watches (``CompiledStep`` provides it)."""
+
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor] | None
+    plan: Plan | None
+    step_count: int
+    world_size: int
+    graph: Any  # the CompiledGraph of the latest step: its captured parameters and names
+    items: list[ScheduledItem]
+    process_group: dist.ProcessGroup | None
+
+    def solve(self, options: dict[str, Any]) -> Plan: ...
+
+    def switch_plan(self, options: dict[str, Any], reason: str) -> None: ...
+
+
+class PreserverMonitor:
+    def __init__(self, step: WatchedStep, preserver: Preserver) -> None:
+        self.step = step
+        self.preserver = preserver
+        self.config = preserver.config
+        self._loss_sum = 0.0
+        self._loss_count = 0
+        self._before: list[torch.Tensor] | None = None
+        self._recent_losses: list[float] = []
+        self._probe: dict | None = None
+
+    def state_dict(self) -> dict:
+        """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one."""
+        return {**self.preserver.state_dict(), "loss_sum": self._loss_sum, "loss_count": self._loss_count,
+                "recent_losses": list(self._recent_losses)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.preserver.load_state_dict(state)
+        self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
+        self._recent_losses = [float(v) for v in state["recent_losses"]]
+
+    @staticmethod
+    def _staleness(item) -> float:
+        """Mean steps by which an item's applied gradient lags: one if delayed, plus (K - 1)/2 with a period K."""
+        return (1.0 if item.apply == APPLY_NEXT_UPDATE else 0.0) + (item.period - 1) / 2
+
+    def _buckets(self) -> dict[tuple[str, ...], tuple[list[int], float]]:
+        """Parameter names -> (captured parameter indices, mean staleness in steps, at least 1: what a delay
+        would cost a synchronous bucket) for every item. Shares of one bucket merge."""
+        names = self.step.graph.captured.model_state.param_names  # items hold captured indices
+        return {tuple(sorted(names[p] for p in item.params)): (sorted(item.params), max(1.0, self._staleness(item)))
+                for item in self.step.items}
+
+    def _worth_measuring(self) -> bool:
+        """Stale items to check, or pinned buckets that may be released."""
+        return any(self._staleness(item) > 0 for item in self.step.items) or bool(self.preserver.pinned)
+
+    def before_step(self) -> None:
+        """Called before every step: keep the weights if this step's staleness error is measured."""
+        self._before = None
+        if (self._probe is None and not self.preserver.exhausted
+                and self.preserver.staleness_due(self.step.step_count + 1) and self._worth_measuring()):
+            self._before = [p.detach().clone() for p in self.step.graph.captured.model_state.params]
+
+    def _staleness_errors(self, args: tuple, kwargs: dict) -> dict[tuple[str, ...], tuple[float, float]]:
+        """Per bucket: (relative gradient change of this step on its own minibatch, summed over ranks;
+        the bucket's mean staleness in steps under the current plan)."""
+        stale = self._buckets()
+        state = self.step.graph.captured.model_state
+        watched = sorted({p for params, _ in stale.values() for p in params})
+        change = same_batch_gradient_change(
+            self.step.model, state.param_names, self._before, state.params, dict(zip(state.buffer_names, state.buffers)),
+            self.step.loss_fn, args, kwargs, watched,
+        )
+        sums = [sum(change.get(p, (0.0, 0.0))[k] for p in params) for k in (0, 1) for params, _ in stale.values()]
+        sums = self._all_rank_mean(sums)
+        n = len(stale)
+        return {
+            names: (math.sqrt(sums[i] / sums[n + i]), staleness)
+            for i, (names, (_, staleness)) in enumerate(stale.items())
+            if sums[n + i] > 0
+        }
+
+    def _all_rank_mean(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, group=self.step.process_group)
+        return (tensor / self.step.world_size).tolist()
+
+    def after_step(self, loss: torch.Tensor, args: tuple, kwargs: dict) -> PreserverEvent | None:
+        """Called after every step with the step's inputs; may re-plan (through ``CompiledStep.switch_plan``)."""
+        value = float(loss)
+        step_count = self.step.step_count  # steps done, including this one
+        if self._probe is not None:
+            return self._during_probe(value, step_count)
+        self._recent_losses = (self._recent_losses + [value])[-self.config.probe_window :]
+        self._loss_sum += value
+        self._loss_count += 1
+        event = None
+        if self._before is not None:
+            errors = self._staleness_errors(args, kwargs)
+            self._before = None
+            event = self.preserver.observe_staleness(step_count, errors)
+            if event is not None:
+                self._apply(event, step_down=False)
+        if event is None and step_count % self.config.check_every == 0:
+            mean_loss = self._all_rank_mean([self._loss_sum / self._loss_count])[0]
+            self._loss_sum, self._loss_count = 0.0, 0
+            event = self.preserver.observe_window(step_count, mean_loss)
+            if event is not None:
+                self._apply(event)
+        if (
+            event is None
+            and self.config.probe_every > 0
+            and step_count % self.config.probe_every == 0
+            and not self.preserver.exhausted
+            and len(self._recent_losses) == self.config.probe_window
+        ):
+            self._probe = {"plan_losses": list(self._recent_losses), "sync_losses": [], "options": self.preserver.options}
+            self.step.switch_plan({**self.preserver.options, "max_staleness": 0, "allow_period": False},
+                                  "Preserver probe: synchronous reference window")
+        return event
+
+    def _during_probe(self, value: float, step_count: int) -> PreserverEvent | None:
+        probe = self._probe
+        probe["sync_losses"].append(value)
+        if len(probe["sync_losses"]) < self.config.probe_window:
+            return None
+        self._probe = None
+        window = self.config.probe_window
+        means = self._all_rank_mean(probe["plan_losses"] + probe["sync_losses"])
+        event = self.preserver.observe_probe(step_count, means[:window], means[window:])
+        if event is not None:
+            self._apply(event)
+        else:
+            self.step.switch_plan(self.preserver.options, "Preserver probe over: back to the plan")
+        self._recent_losses = []
+        return event
+
+    def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
+        """Switch to the event's plan. A ladder level whose plan is the same as the current one is skipped
+        (``step_down``); a pinning that leaves the plan as it is changes nothing."""
+        def schedule(plan) -> list[dict]:  # what runs; the options (and so the hash) change with every decision
+            return [item.to_dict() for item in plan.items]
+
+        current = schedule(self.step.plan)
+        while step_down and schedule(self.step.solve(self.preserver.options)) == current and not self.preserver.exhausted:
+            self.preserver._step_down(event.step, "the plan did not change at that level", event.metrics)
+        if schedule(self.step.solve(self.preserver.options)) != current:
+            self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)

@@ -1,0 +1,356 @@
+"""Capture one whole training step (forward, loss, backward, optimizer update) as an FX graph.
+
+The step is traced with ``make_fx`` in fake-tensor mode, so tracing runs no real
+kernels and consumes no random numbers: the graph, when run, draws exactly the
+random numbers eager training would (Dropout stays exact). Parameters, buffers,
+optimizer state and the user's tensor inputs are graph inputs, in that order;
+the graph updates parameters, buffers and state *in place*, exactly like the
+eager optimizer, so the live ``model`` and ``optimizer`` stay the source of
+truth. Outputs are the detached loss, then any optimizer state the step created
+instead of updating (first-step initialisation, e.g. Adam's moments), then the
+gradients the optimizer applied (averaged, once the passes ran), which the
+runtime stores in ``param.grad`` as DDP leaves them.
+
+Marker ops from :mod:`deft_compile.ir.ops` tag each parameter's gradient and the end
+of the forward pass; :mod:`deft_compile.step.annotate` reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import linecache
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from deft_compile.ir import ops
+from deft_compile.errors import LossError, TraceError
+from deft_compile.ir.layout import GraphLayout
+from deft_compile.step.optim_support import lr_inputs, traceable_optimizer
+
+StateSlot = tuple[int, str]  # (parameter index, optimizer-state key)
+
+
+@dataclass
+class ModelState:
+    """The live tensors a captured step reads and updates, in graph-input order.
+
+    Tied parameters appear once (``named_parameters`` de-duplicates them), so a
+    tied weight has one gradient, one bucket slot and one update, as in DDP.
+    """
+
+    param_names: list[str]
+    params: list[nn.Parameter]
+    buffer_names: list[str]
+    buffers: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelState":
+        named_params = list(model.named_parameters())
+        named_buffers = list(model.named_buffers())
+        return cls(
+            param_names=[n for n, _ in named_params],
+            params=[p for _, p in named_params],
+            buffer_names=[n for n, _ in named_buffers],
+            buffers=[b for _, b in named_buffers],
+        )
+
+    def index_of(self) -> dict[torch.Tensor, int]:
+        return {p: i for i, p in enumerate(self.params)}
+
+
+@dataclass
+class CapturedStep:
+    """A traced step and the meaning of each of its inputs and outputs."""
+
+    graph_module: fx.GraphModule
+    model_state: ModelState
+    state_inputs: list[StateSlot]
+    state_outputs: list[StateSlot]
+    gradient_outputs: list[int]
+    num_user_inputs: int
+    user_spec: pytree.TreeSpec
+    user_constants: list[Any]
+    trainable: list[bool]
+    extra_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def num_params(self) -> int:
+        return len(self.model_state.params)
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.model_state.buffers)
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+
+    def param_placeholders(self) -> list[fx.Node]:
+        return self.placeholders()[: self.num_params]
+
+    def buffer_placeholders(self) -> list[fx.Node]:
+        return self.placeholders()[self.num_params : self.num_params + self.num_buffers]
+
+    def state_placeholders(self) -> list[fx.Node]:
+        start = self.num_params + self.num_buffers
+        return self.placeholders()[start : start + len(self.state_inputs)]
+
+    def graph_hash(self) -> str:
+        """A digest of the graph's code; equal on every rank that traced the same step."""
+        return hashlib.sha256(self.graph_module.code.encode()).hexdigest()
+
+
+def split_user_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[Any], pytree.TreeSpec]:
+    """Separate tensor leaves (graph inputs) from everything else (baked constants)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return tensors, constants, spec
+
+
+def join_user_inputs(tensors: list[torch.Tensor], constants: list[Any], spec: pytree.TreeSpec) -> tuple[tuple, dict]:
+    it = iter(tensors)
+    leaves = [next(it) if c is None else c for c in constants]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def capture_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    args: tuple,
+    kwargs: dict,
+    state_inputs: list[StateSlot],
+) -> CapturedStep:
+    """Trace one training step of ``model`` with ``optimizer`` on example inputs.
+
+    ``state_inputs`` lists the optimizer-state tensors that already exist and
+    enter the graph as inputs (empty before the first step, when the optimizer
+    creates its state inside the graph).
+    """
+    model_state = ModelState.of(model)
+    index_of = model_state.index_of()
+    for group_index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p not in index_of:
+                raise TraceError(
+                    f"optimizer param group {group_index} holds a tensor of shape {tuple(p.shape)} that is "
+                    f"not a parameter of the model; deft_compile updates the model's own parameters"
+                )
+    user_tensors, user_constants, user_spec = split_user_inputs(args, kwargs)
+    num_params, num_buffers, num_states = len(model_state.params), len(model_state.buffers), len(state_inputs)
+    learning_rates = lr_inputs(optimizer)
+    num_user = len(user_tensors)
+    state_outputs: list[StateSlot] = []
+    gradient_outputs: list[int] = []
+    extra_state: dict[int, dict[str, Any]] = {}
+    tracker = _ModuleTracker(model)
+
+    def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        params = list(flat[:num_params])
+        buffers = flat[num_params : num_params + num_buffers]
+        states = flat[num_params + num_buffers : num_params + num_buffers + num_states]
+        user_start = num_params + num_buffers + num_states
+        user = list(flat[user_start : user_start + num_user])
+        # each group's lr as a symbolic float read from its graph input: derived values (AdamW's
+        # 1 - lr * wd, Adam's lr / bias_correction) are computed in the graph, not baked in
+        rates = [rate.item() for rate in flat[user_start + num_user :]]
+        call_args, call_kwargs = join_user_inputs(user, user_constants, user_spec)
+        tensors = dict(zip(model_state.param_names, params))
+        tensors.update(zip(model_state.buffer_names, buffers))
+        with tracker.active("forward"):
+            if loss_fn is None:
+                loss = functional_call(model, tensors, call_args, call_kwargs)
+            else:
+                if len(call_args) != 2:
+                    raise TraceError(
+                        "with loss_fn given, call the step as step(inputs, targets); "
+                        f"got {len(call_args)} positional arguments"
+                    )
+                output = functional_call(model, tensors, (call_args[0],), call_kwargs)
+                loss = loss_fn(output, call_args[1])
+        _check_scalar_loss(loss)
+        ops.phase(loss.detach(), "forward")
+        with tracker.active("backward"):
+            loss.backward()
+        for index, p in enumerate(params):
+            if p.grad is not None:
+                p.grad = ops.gradient(p.grad, index)
+        initial = {i: {} for i in range(num_params)}
+        for slot, tensor in zip(state_inputs, states):
+            initial[slot[0]][slot[1]] = tensor
+        for i, entries in _non_tensor_state(optimizer, model_state).items():
+            initial[i].update(entries)
+        state_input_ids = {id(t) for t in states}
+        with tracker.active("optimizer.step"), traceable_optimizer(optimizer, params, index_of, initial, rates) as traced:
+            optimizer.step()
+            new_state = []
+            for index, p in enumerate(params):
+                for key, value in traced.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        if id(value) not in state_input_ids:
+                            state_outputs.append((index, key))
+                            new_state.append(value)
+                    else:
+                        extra_state.setdefault(index, {})[key] = value
+        gradients = []
+        for index, p in enumerate(params):
+            if p.grad is not None:
+                gradient_outputs.append(index)
+                gradients.append(p.grad)
+        return (loss.detach(), *new_state, *gradients)
+
+    example = [p.detach().requires_grad_(p.requires_grad) for p in model_state.params]
+    example += [b.detach() for b in model_state.buffers]
+    example += [optimizer.state[model_state.params[i]][key] for i, key in state_inputs]
+    example += list(user_tensors)
+    example += learning_rates
+    try:
+        with _compile_session(), tracker.hooks():
+            graph_module = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    except (TraceError, LossError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the op and module named
+        raise TraceError(tracker.describe_failure(exc)) from exc
+    graph_module.meta["deft_layout"] = GraphLayout(
+        num_params=num_params,
+        num_buffers=num_buffers,
+        state_inputs=list(state_inputs),
+        num_user_inputs=len(user_tensors),
+        num_lr_inputs=len(learning_rates),
+        state_outputs=list(state_outputs),
+        gradient_outputs=list(gradient_outputs),
+    )
+    return CapturedStep(
+        graph_module=graph_module,
+        model_state=model_state,
+        state_inputs=list(state_inputs),
+        state_outputs=state_outputs,
+        gradient_outputs=gradient_outputs,
+        num_user_inputs=len(user_tensors),
+        user_spec=user_spec,
+        user_constants=user_constants,
+        trainable=[p.requires_grad for p in model_state.params],
+        extra_state=extra_state,
+    )
+
+
+def _check_scalar_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(f"the step must produce a scalar loss tensor; got {type(loss).__name__}")
+    if loss.numel() != 1 or loss.dim() != 0:
+        raise LossError(
+            f"the loss must be a scalar (0-dim) tensor; got shape {tuple(loss.shape)}. "
+            f"Reduce it (e.g. .mean()) in the model or loss_fn"
+        )
+    if not loss.requires_grad:
+        raise LossError("the loss does not require grad: no trainable parameter contributes to it")
+
+
+def _non_tensor_state(optimizer: torch.optim.Optimizer, model_state: ModelState) -> dict[int, dict[str, Any]]:
+    """Optimizer state that is not a tensor (kept as-is; the graph cannot change it)."""
+    found: dict[int, dict[str, Any]] = {}
+    for index, p in enumerate(model_state.params):
+        for key, value in optimizer.state.get(p, {}).items():
+            if not isinstance(value, torch.Tensor):
+                found.setdefault(index, {})[key] = value
+    return found
+
+
+@contextlib.contextmanager
+def _compile_session() -> Iterator[None]:
+    """Tell torch code (e.g. optimizers) it is being traced, as torch.export does.
+
+    Under it ``torch.compiler.is_compiling()`` is true, which lets ``capturable``
+    optimizers run on CPU tensors and keeps step counters as tensors.
+    """
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+class _ModuleTracker:
+    """Remembers which module and phase were running, to name them when tracing fails."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._names = {m: (n or type(model).__name__) for n, m in model.named_modules()}
+        self._stack: list[nn.Module] = []
+        self._phase = "setup"
+
+    @contextlib.contextmanager
+    def active(self, phase: str) -> Iterator[None]:
+        self._phase = phase
+        yield
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        def pre(module: nn.Module, _args: Any) -> None:
+            if module in self._names:
+                self._stack.append(module)
+
+        def post(module: nn.Module, _args: Any, _out: Any) -> None:
+            if self._stack and self._stack[-1] is module:
+                self._stack.pop()
+
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(pre),
+            nn.modules.module.register_module_forward_hook(post),
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def describe_failure(self, exc: Exception) -> str:
+        op = getattr(exc, "func", None)
+        where = "the model"
+        if self._stack:
+            module = self._stack[-1]
+            where = f"module '{self._names[module]}' ({type(module).__name__})"
+        kind = type(exc).__name__
+        if op is not None:
+            what = f"op {op}"
+        elif "DataDependent" in kind:
+            what = "a branch on a tensor's value (bool(), if or while on a tensor)"
+        else:
+            what = kind
+        hint = ""
+        if "DataDependent" in kind or (op is not None and "_local_scalar_dense" in str(op)):
+            hint = " (data-dependent control flow cannot be captured in one static graph; use torch.where or torch.cond)"
+        source = _user_source_line(exc)
+        at = f" at {source}" if source else ""
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else kind
+        return f"cannot capture the training step: {what} in {where} during {self._phase}{at}{hint}: {first_line}"
+
+
+def _user_source_line(exc: BaseException) -> str | None:
+    """``file:line: code`` of the innermost traceback frame outside torch and deft_compile."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)) + os.sep + "deft_compile")
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith(skip) and "/contextlib.py" not in filename and not filename.startswith("<"):
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    code = linecache.getline(found[0], found[1]).strip()
+    return f"{os.path.basename(found[0])}:{found[1]}: {code}"

@@ -1,0 +1,115 @@
+"""Process-group plumbing: which group, initial broadcast, cross-rank checks, naming dead peers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from deft_compile.errors import ModelMismatchError, PeerFailureError
+from deft_compile.step.pipeline import CommGroup
+
+log = logging.getLogger("deft_compile")
+
+
+def resolve_group(process_group: dist.ProcessGroup | None) -> tuple[CommGroup | None, dist.ProcessGroup | None]:
+    """The group to communicate over, or (None, None) when training is local."""
+    if not dist.is_available() or not dist.is_initialized():
+        if process_group is not None:
+            raise ValueError("process_group was given but torch.distributed is not initialised")
+        return None, None
+    group = process_group if process_group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return None, None
+    return CommGroup(name=group.group_name, rank=dist.get_rank(group), world_size=world_size), group
+
+
+def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensors`` on every rank with rank 0's values (coalesced per dtype), like DDP's constructor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.numel():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for group_tensors in by_dtype.values():
+            flat = _flatten_dense_tensors([t.detach() for t in group_tensors])
+            dist.broadcast(flat, src=src, group=group)
+            for tensor, value in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors)):
+                tensor.copy_(value)
+
+
+def check_same_across_ranks(what: dict[str, Any], group: dist.ProcessGroup) -> None:
+    """Raise ``ModelMismatchError`` naming the ranks and fields that differ from rank 0."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, what, group=group)
+    reference = gathered[0]
+    problems = []
+    for rank, other in enumerate(gathered[1:], start=1):
+        for key in reference:
+            if other.get(key) != reference[key]:
+                problems.append(f"rank {rank} differs from rank 0 in {key}: {_first_difference(reference[key], other.get(key))}")
+    if problems:
+        raise ModelMismatchError(
+            "ranks would train different models; refusing to start:\n  " + "\n  ".join(problems)
+        )
+
+
+def _first_difference(a: Any, b: Any) -> str:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        for index, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"entry {index}: {x!r} vs {y!r}"
+        return f"length {len(a)} vs {len(b)}"
+    return f"{a!r} vs {b!r}"
+
+
+def model_fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple]:
+    """(name, shape, dtype, requires_grad) per tensor: what ranks must agree on to train one model."""
+    return [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for name, t in named_tensors]
+
+
+def diagnose_peer_failure(exc: BaseException, group: dist.ProcessGroup, step: int, timeout_s: float) -> PeerFailureError:
+    """Find out which ranks are gone after a collective failed, and say so.
+
+    Every surviving rank writes ``deft/alive/<step>/<rank>`` into the rendezvous
+    store and waits up to ``timeout_s`` for the others' keys; ranks whose key
+    never appears are named. If the store itself is unreachable, the rank that
+    hosts it (rank 0 under torchrun and ``tcp://`` init) is named.
+    """
+    me = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    global_ranks = [dist.get_global_rank(group, r) for r in range(world)]
+    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"deft/alive/{step}/"
+        store.set(prefix + str(global_ranks[me]), "1")
+        deadline = time.monotonic() + timeout_s
+        missing = [g for g in global_ranks if g != global_ranks[me]]
+        while missing and time.monotonic() < deadline:
+            missing = [g for g in missing if not store.check([prefix + str(g)])]
+            if missing:
+                time.sleep(0.05)
+    except Exception as store_exc:  # noqa: BLE001 - the store failing is itself the diagnosis
+        return PeerFailureError(
+            f"rank {global_ranks[me]}: a collective failed in step {step} ({cause}) and the rendezvous store is "
+            f"unreachable ({type(store_exc).__name__}); the rank hosting it (rank 0) has most likely died"
+        )
+    if missing:
+        names = ", ".join(f"rank {g}" for g in missing)
+        return PeerFailureError(
+            f"rank {global_ranks[me]}: a collective failed in step {step} ({cause}); {names} did not respond within "
+            f"{timeout_s:g} s and has most likely died or hung"
+        )
+    return PeerFailureError(
+        f"rank {global_ranks[me]}: a collective failed in step {step} ({cause}); every rank is still alive, so the "
+        f"ranks most likely ran different collectives (different models, inputs that change the graph on one rank, "
+        f"or a collective timeout that is too short)"
+    )
+

@@ -1,0 +1,117 @@
+"""Turn a captured step into the graph that runs: the ordered pass list.
+
+As in torchtitan's graph trainer, the compiled step is an ordered list of named
+passes, each a plain ``GraphModule -> GraphModule`` function (context bound with
+``functools.partial``). ``run_passes`` applies them in order and hands every
+intermediate graph to the dumper. What differs between policies is the list of
+``ScheduledItem``s the ``schedule`` pass executes (see ``deft_compile.step.scheduling``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+
+from deft_compile.step.annotate import StepAnnotation, annotate
+from deft_compile.step.capture import CapturedStep
+from deft_compile.config import DeftConfig
+from deft_compile.debug.dump import GraphDumper
+from deft_compile.ir.layout import GraphLayout, layout_of
+from deft_compile.passes.broadcast_buffers import insert_buffer_broadcast
+from deft_compile.passes.cleanup import remove_detach, remove_profiler_ops
+from deft_compile.passes.markers import strip_markers
+from deft_compile.passes.optimizer_numerics import promote_bias_corrections
+from deft_compile.passes.schedule import ItemPhase, ScheduledItem, apply_schedule
+
+Pass = Callable[[fx.GraphModule], fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A process group a step communicates over, by name (what functional collectives take)."""
+
+    name: str
+    rank: int
+    world_size: int
+
+
+@dataclass
+class CompiledGraph:
+    """A rewritten step graph plus what the runtime needs to call it."""
+
+    captured: CapturedStep
+    graph_module: fx.GraphModule
+    items: list[ScheduledItem]
+    phases: dict[int, ItemPhase]
+    flush: bool
+
+    @property
+    def layout(self) -> GraphLayout:
+        return layout_of(self.graph_module)
+
+    def collective_signature(self) -> list[tuple]:
+        """Per item, its group size and the element counts it carries: what ranks must agree on.
+
+        Group sizes, not names: under DS-Sync ranks in different groups run the
+        same items on different groups of the same size.
+        """
+        return [(item.world_size, tuple(s.count for s in item.slices), item.apply, item.period) for item in self.items]
+
+
+def annotate_capture(captured: CapturedStep) -> StepAnnotation:
+    states_by_param: dict[int, list[fx.Node]] = {}
+    for (index, _key), node in zip(captured.state_inputs, captured.state_placeholders()):
+        states_by_param.setdefault(index, []).append(node)
+    return annotate(captured.graph_module.graph, captured.param_placeholders(), states_by_param)
+
+
+def build_passes(
+    captured: CapturedStep,
+    items: list[ScheduledItem],
+    group: CommGroup | None,
+    config: DeftConfig,
+    *,
+    phases: dict[int, ItemPhase] | None = None,
+    flush: bool = False,
+) -> list[tuple[str, Pass]]:
+    """The ordered passes; no collectives when ``group`` is None (one process)."""
+    passes: list[tuple[str, Pass]] = [
+        ("remove_profiler_ops", remove_profiler_ops),
+        ("remove_detach", remove_detach),
+        ("promote_bias_corrections", promote_bias_corrections),
+    ]
+    if group is not None and group.world_size > 1:
+        if config.broadcast_buffers and captured.num_buffers and not flush:
+            positions = list(range(captured.num_params, captured.num_params + captured.num_buffers))
+            passes.append(
+                ("broadcast_buffers", functools.partial(insert_buffer_broadcast, buffer_positions=positions, group_name=group.name))
+            )
+        passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
+    passes.append(("strip_markers", strip_markers))
+    return passes
+
+
+def run_passes(gm: fx.GraphModule, passes: list[tuple[str, Pass]], dumper: GraphDumper) -> fx.GraphModule:
+    dumper.record("captured", gm)
+    for name, graph_pass in passes:
+        gm = graph_pass(gm)
+        dumper.record(name, gm)
+    return gm
+
+
+def compile_captured(
+    captured: CapturedStep,
+    items: list[ScheduledItem],
+    group: CommGroup | None,
+    config: DeftConfig,
+    dumper: GraphDumper,
+    *,
+    phases: dict[int, ItemPhase] | None = None,
+    flush: bool = False,
+) -> CompiledGraph:
+    passes = build_passes(captured, items, group, config, phases=phases, flush=flush)
+    gm = run_passes(captured.graph_module, passes, dumper)
+    return CompiledGraph(captured=captured, graph_module=gm, items=items, phases=dict(phases or {}), flush=flush)

@@ -1,0 +1,681 @@
+"""``deft-compile bench``: every policy against torch DDP and the no-communication floor, on real (shaped) links.
+
+For each model and each bandwidth, one launch of ``--workers`` local gloo
+workers (one intra-op thread each) trains, in the same processes and in
+interleaved blocks:
+
+* ``floor``: the same compiled step on a one-rank group per worker
+  (``dist.new_group([rank])``: training is local, no collective), all workers
+  busy at once as in every other variant;
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (eager, default buckets);
+* one ``deft_compile`` step per ``--policies`` entry (``deft`` with its default
+  Preserver and solver options).
+
+The network: ``--bandwidth none`` runs on the machine's loopback, unshaped;
+a rate (``1gbit``, ``200mbit``) runs the workers in a private network namespace
+whose loopback is shaped with ``tc tbf`` (``--links 1``, ``ShapedLoopback``) or
+in two namespaces joined by two shaped veth links (``--links 2``,
+``TwoHostLinks``, 2 workers; ``deft`` gets the second link through
+``DeftConfig(links=("gloo:link2",))``, the others use link1 only). Shaping
+needs root and iproute2. Every namespace this process made is deleted when a
+run ends, fails or is interrupted (Ctrl-C), see ``deft_compile.tools.netns``.
+
+Timing: ``--warmup`` discarded steps per variant (tracing, profiling, the
+first graph), more for a compiled plan until one whole update-period cycle
+has run without capturing a new graph, then ``--rounds`` rounds; each round runs one block per variant
+in a rotated order, each block a barrier, one untimed step and the timed steps.
+A step's time is the slowest rank's. Reported per variant: median step ms,
+ratio to the floor and to DDP (medians of the same run), the *paired* ratio to
+DDP (median over rounds of block-median ratios, robust to other jobs on the
+machine), exposed communication = median step - median floor step, the final
+loss (mean over ranks of the last 5 steps), and for compiled policies the
+simulator's prediction for the plan on its measured profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+MiB = 1 << 20
+POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync")
+DEFAULT_POLICIES = ("wfbp", "bytescheduler", "usbyte", "deft")
+# Kept here (not imported from bench_models) so that building the CLI parser does not import torch:
+# `deft-compile simulate` must work without it. tests/test_bench.py checks they match bench_models.
+MODEL_NAMES = ("mlp", "vgg", "resnet", "gpt2", "vgg11", "vgg16", "vgg19", "resnet18", "resnet50", "resnet101",
+               "gpt2-tiny", "gpt2-mini", "mlp-teacher")
+DEFAULT_MODELS = ("vgg19", "resnet101", "gpt2-mini")
+FINAL_LOSS_STEPS = 5
+STAT_NOTE = (
+    "step ms = median over the interleaved blocks of each block's mean step time (a step's time is the slowest rank's;\n"
+    "  a mean, so steps of an update period that communicate nothing do not hide the ones that do); median = per-step\n"
+    "  median; vs floor / vs DDP = ratios of step ms in this run; paired = median over rounds of the block-mean ratio\n"
+    "  to DDP's block of the same round; exposed ms = step ms - floor's step ms; final loss = mean over ranks of the\n"
+    "  last 5 steps; sim ms = the plan simulated on its measured profile; retraced = timed steps that captured a new\n"
+    "  graph (Preserver re-plans), left out of the timing.")
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def eager_step(module: Any, optimizer: Any, loss_fn: Any):
+    """An eager training step (zero_grad, loss, backward, step) returning the detached loss: the DDP and floor
+    baselines of every benchmark. ``loss_fn(module(inputs), targets)``, or ``module(*args)`` without one."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        optimizer.zero_grad(set_to_none=True)
+        if loss_fn is not None:
+            inputs, targets = args
+            loss = loss_fn(module(inputs, **kwargs), targets)
+        else:
+            loss = module(*args, **kwargs)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return run
+
+
+def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any) -> None:
+    """Warm up a plan with an update period further, until one whole cycle runs without capturing a graph.
+
+    With a period K the first cycles meet new graph variants (a phase with an accumulator carried in,
+    for example); timing those steps would time compilation. Every rank takes the same decision (one
+    all-reduce of a flag per step), so collectives stay matched. Bounded: at most 4 cycles + 4 steps.
+    """
+    if plan is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    from deft_compile.debug.artifacts import plan_cycle
+
+    cycle, quiet, extra = plan_cycle(plan), 0, 0
+    if cycle <= 1:  # no period: the graphs of the warm-up are final (and DDP-equal runs keep equal step counts)
+        return
+    while quiet < cycle and extra < 4 * cycle + 4:
+        _, retraced = call(name)
+        extra += 1
+        flag = torch.tensor([1.0 if retraced else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        quiet = 0 if flag.item() else quiet + 1
+
+
+def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One rank of one (model, network) configuration: every variant, interleaved. Returns plain data."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from deft_compile import DeftConfig, deft_compile
+    from deft_compile.tools.bench_models import resolve_model
+    from deft_compile.planner.profiler import measure_allreduce
+
+    preset = resolve_model(cfg["model"])
+    torch.manual_seed(0)
+    base = preset.build()
+    batch_size = cfg["batch"] or preset.default_batch
+    pool = [preset.batch(batch_size, torch.Generator().manual_seed(10_000 * (rank + 1) + i))
+            for i in range(cfg["batch_pool"])]
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes all
+    allreduce_ms = measure_allreduce(None, [grad_bytes], repeats=cfg["link_repeats"], warmup=1)[0][1]
+
+    runners: dict[str, Any] = {}
+    models: dict[str, nn.Module] = {}
+    compiled: dict[str, Any] = {}
+    for name in cfg["variants"]:
+        model = copy.deepcopy(base)
+        optimizer = preset.optimizer(model)
+        models[name] = model
+        if name == "ddp":
+            runners[name] = eager_step(nn.parallel.DistributedDataParallel(model), optimizer, preset.loss_fn)
+        elif name == "floor":
+            step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo)
+            if step.world_size != 1:
+                raise RuntimeError("the floor must train locally (one-rank group)")
+            runners[name] = step
+        else:
+            links = tuple(cfg["extra_links"]) if name == "deft" else ()
+            step = deft_compile(model, optimizer, preset.loss_fn, policy=name, config=DeftConfig(links=links))
+            runners[name] = compiled[name] = step
+
+    progress = None
+    if rank == 0 and cfg["progress"]:
+        from tqdm import tqdm
+
+        total = len(runners) * (cfg["warmup"] + cfg["rounds"] * (cfg["block"] + 1))
+        progress = tqdm(total=total, desc=cfg.get("label", "bench"), unit="step", file=sys.stderr,
+                        dynamic_ncols=True, leave=True)
+
+    counters = {name: 0 for name in runners}
+    losses: dict[str, list[float]] = {name: [] for name in runners}
+
+    def call(name: str) -> tuple[float, bool]:
+        """Run one step of ``name``; (seconds, whether it captured a new graph: a retrace, e.g. after a re-plan)."""
+        args, kwargs = pool[counters[name] % len(pool)]
+        counters[name] += 1
+        traces = getattr(runners[name], "trace_count", 0)
+        started = time.perf_counter()
+        loss = runners[name](*args, **kwargs)
+        elapsed = time.perf_counter() - started
+        losses[name].append(float(loss))
+        if progress is not None:
+            progress.update()
+        return elapsed, getattr(runners[name], "trace_count", 0) != traces
+
+    warmup_s: dict[str, float] = {}
+    for name in runners:
+        if progress is not None:
+            progress.set_postfix_str(f"warm-up {name}")
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(cfg["warmup"]):
+            call(name)
+        _settle(name, call, getattr(runners[name], "plan", None))
+        warmup_s[name] = time.perf_counter() - started
+
+    names = list(runners)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    traced: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(cfg["rounds"]):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if progress is not None:
+                progress.set_postfix_str(f"round {round_index + 1}/{cfg['rounds']} {name}")
+            dist.barrier()
+            call(name)  # absorbs whatever the previous block left on the link
+            for _ in range(cfg["block"]):
+                seconds, retraced = call(name)
+                samples[name].append(seconds * 1e3)
+                traced[name].append(1.0 if retraced else 0.0)
+    if progress is not None:
+        progress.close()
+    dist.barrier()
+    for name in names:  # a step's time is the slowest rank's
+        times = torch.tensor(samples[name], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        samples[name] = times.tolist()
+        flags = torch.tensor(traced[name], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        traced[name] = [bool(f) for f in flags.tolist()]
+        mean_losses = torch.tensor(losses[name], dtype=torch.float64)
+        dist.all_reduce(mean_losses)
+        losses[name] = (mean_losses / world_size).tolist()
+    for step in compiled.values():
+        if step.pending:
+            step.flush()
+
+    identical, max_diff = None, None
+    if "ddp" in models and "wfbp" in models:  # same batches, same number of steps: compare the trained parameters
+        pairs = list(zip(models["ddp"].parameters(), models["wfbp"].parameters()))
+        same = all(torch.equal(a, b) for a, b in pairs)
+        flags = torch.tensor([0.0 if same else 1.0,
+                              max((float((a.detach() - b.detach()).abs().max()) for a, b in pairs if a.numel()), default=0.0)],
+                             dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        identical, max_diff = not bool(flags[0].item()), float(flags[1].item())
+
+    measured = None
+    if cfg.get("measured_timeline") and "deft" in compiled:
+        from deft_compile.debug.artifacts import measured_timeline, plan_cycle
+
+        step = compiled["deft"]
+        target = Path(cfg["measured_timeline"]) if rank == 0 else Path(cfg["measured_timeline"]).with_name(
+            f"measured_rank{rank}.json")
+        args, kwargs = pool[0]
+        dist.barrier()
+        measured_timeline(lambda: step(*args, **kwargs), target, steps=plan_cycle(step.plan), gantt=rank == 0)
+        if step.pending:
+            step.flush()
+        if rank == 0:
+            measured = _wait_share(target)
+
+    result: dict[str, Any] = {"samples_ms": samples, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
+                              "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff}
+    if rank == 0:
+        result.update(
+            params=sum(p.numel() for p in base.parameters()),
+            gradient_bytes=grad_bytes,
+            batch=batch_size,
+            allreduce_all_ms=allreduce_ms,
+            plans={n: s.plan.to_json() for n, s in compiled.items()},
+            profiles={n: s.profile.to_json() for n, s in compiled.items()},
+            plan_history={n: [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool, type(None)))}
+                              for h in s.plan_history] for n, s in compiled.items()},
+            trace_counts={n: s.trace_count for n, s in compiled.items()},
+            measured_timeline=measured,
+        )
+    return result
+
+
+def _wait_share(trace: Path) -> dict[str, float] | None:
+    """From a measured_timeline trace: the main thread's time in ``wait_tensor`` and the profiled span, ms."""
+    try:
+        data = json.loads(trace.read_text())
+    except (OSError, ValueError):
+        return None
+    spans = [ev for ev in (data["traceEvents"] if isinstance(data, dict) else data) if ev.get("ph") == "X"]
+    steps = [ev for ev in spans if str(ev.get("name", "")).startswith("deft_compile.step")]
+    if not steps:
+        return None
+    pid, tid = steps[0]["pid"], steps[0]["tid"]
+    waits = [ev for ev in spans if ev["pid"] == pid and ev["tid"] == tid and "wait_tensor" in str(ev.get("name", ""))]
+    return {"steps": len(steps), "step_ms": sum(ev["dur"] for ev in steps) / 1000.0,
+            "wait_tensor_ms": sum(ev["dur"] for ev in waits) / 1000.0}
+
+
+# --------------------------------------------------------------------------- networks
+
+
+def parse_rate(text: str | None) -> str | None:
+    """``none``/``unshaped``/``0`` -> None (unshaped); otherwise a tc rate such as ``1gbit``, ``200mbit``."""
+    if text is None or text.strip().lower() in ("none", "unshaped", "0", ""):
+        return None
+    value = text.strip().lower()
+    digits = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(digits):]
+    try:
+        float(digits)
+    except ValueError:
+        raise ValueError(f"bandwidth {text!r}: use a tc rate like 1gbit, 500mbit, or 'none'") from None
+    if unit in ("", "g", "gb", "gbps"):
+        raise ValueError(f"bandwidth {text!r}: give the unit, e.g. {digits}gbit or {digits}mbit")
+    if unit not in ("kbit", "mbit", "gbit", "tbit", "bit"):
+        raise ValueError(f"bandwidth {text!r}: unit must be bit, kbit, mbit or gbit")
+    return value
+
+
+def shaping_available() -> str | None:
+    """None when shaped namespaces can be made here, else the reason (no root, no ip/tc)."""
+    from deft_compile.tools.netns import NetnsError, check_prerequisites
+
+    try:
+        check_prerequisites()
+    except NetnsError as error:
+        return str(error)
+    return None
+
+
+@contextlib.contextmanager
+def network(bandwidth: str | None, links: int, workers: int, bandwidth2: str | None = None,
+            prefix: str = "deftbench") -> Iterator[dict[str, Any]]:
+    """Yield ``{"launch": run_local_workers kwargs, "extra_links": (...), "description": str, "namespaces": [...]}``.
+
+    Unshaped single link: the machine's own loopback, no namespace. Otherwise a
+    ``ShapedLoopback`` (``links == 1``) or ``TwoHostLinks`` (``links == 2``),
+    deleted on exit whatever happens (the netns module also cleans up at
+    interpreter exit and on SIGTERM/SIGHUP).
+    """
+    from deft_compile.tools.netns import ShapedLoopback, TwoHostLinks
+
+    if links not in (1, 2):
+        raise ValueError("links must be 1 or 2")
+    if links == 1 and bandwidth is None:
+        yield {"launch": {}, "extra_links": (), "namespaces": [],
+               "description": "unshaped loopback (127.0.0.1, no namespace)"}
+        return
+    if links == 2:
+        if workers != 2:
+            raise ValueError("--links 2 supports exactly 2 workers (two hosts joined by two veth links)")
+        rate2 = bandwidth2 if bandwidth2 is not None else bandwidth
+        with TwoHostLinks(rates=(bandwidth, rate2), name_prefix=prefix) as hosts:
+            yield {"launch": hosts.launch_kwargs(2), "extra_links": ("gloo:link2",), "namespaces": list(hosts.hosts),
+                   "description": f"two hosts (namespaces {', '.join(hosts.hosts)}) joined by link1 "
+                                  f"{bandwidth or 'unshaped'} and link2 {rate2 or 'unshaped'} (veth, tc tbf each end)"}
+        return
+    with ShapedLoopback(name_prefix=prefix, rate=bandwidth) as lo:
+        yield {"launch": lo.launch_kwargs(workers), "extra_links": (), "namespaces": [lo.name],
+               "description": f"loopback shaped to {bandwidth} (tc tbf, one qdisc shared by all workers) "
+                              f"in namespace {lo.name}"}
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` with linear interpolation (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _blocks(times: Sequence[float], retraced: Sequence[bool], block: int) -> list[list[float]]:
+    """The timed steps per block, without the steps that captured a new graph (compile time, not step time)."""
+    out = []
+    for i in range(0, len(times), block):
+        kept = [t for t, r in zip(times[i:i + block], retraced[i:i + block]) if not r]
+        out.append(kept)
+    return out
+
+
+def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
+    """Rows per variant from rank 0's result (every number from this one run).
+
+    ``step_ms``, the basis of every ratio, is the median over blocks of the block's mean step time: a
+    mean, so a plan with an update period K (some steps communicate nothing) is charged for its
+    communicating steps; a median over blocks, so one disturbed block does not decide. Steps that
+    captured a new graph (the Preserver's re-plans) are left out and counted in ``retraced_steps``.
+    """
+    from deft_compile.planner.plan import Plan, Profile
+    from deft_compile.planner.simulator import simulate
+
+    samples = value["samples_ms"]
+    retraced = value.get("retraced") or {n: [False] * len(s) for n, s in samples.items()}
+    blocks = {n: [b for b in _blocks(s, retraced[n], block) if b] for n, s in samples.items()}
+    step = {n: statistics.median([statistics.fmean(b) for b in bl]) for n, bl in blocks.items() if bl}
+    floor, ddp = step.get("floor"), step.get("ddp")
+    rows: dict[str, dict[str, Any]] = {}
+    for name, times in samples.items():
+        kept = [t for b in blocks[name] for t in b]
+        loss_tail = value["losses"][name][-FINAL_LOSS_STEPS:]
+        paired = None
+        if "ddp" in blocks and name in step:
+            ratios = [statistics.fmean(a) / statistics.fmean(b) for a, b in zip(blocks[name], blocks["ddp"]) if a and b]
+            paired = statistics.median(ratios) if ratios else None
+        row: dict[str, Any] = {
+            "step_ms": step.get(name),
+            "median_ms": statistics.median(kept) if kept else None,
+            "mean_ms": statistics.fmean(kept) if kept else None,
+            "p10_ms": quantile(kept, 0.1) if kept else None,
+            "p90_ms": quantile(kept, 0.9) if kept else None,
+            "vs_floor": step[name] / floor if floor and name in step else None,
+            "vs_ddp": step[name] / ddp if ddp and name in step else None,
+            "speedup_vs_ddp": ddp / step[name] if ddp and name in step else None,
+            "paired_vs_ddp": paired,
+            "exposed_comm_ms": step[name] - floor if floor is not None and name in step else None,
+            "final_loss": statistics.fmean(loss_tail) if loss_tail else None,
+            "warmup_s": value["warmup_s"][name],
+            "timed_steps": len(times),
+            "retraced_steps": sum(1 for r in retraced[name] if r),
+        }
+        if name in value.get("plans", {}):
+            plan = Plan.from_json(value["plans"][name])
+            profile = Profile.from_json(value["profiles"][name])
+            row.update(items=len(plan.items), delayed_items=sum(1 for i in plan.items if i.delay == 1),
+                       max_period=max((i.period for i in plan.items), default=1), plan_hash=plan.hash(),
+                       plan_changes=len(value["plan_history"][name]) - 1, traces=value["trace_counts"][name])
+            if profile.forward_ms + profile.backward_ms > 0:  # wfbp plans from sizes only: nothing to simulate
+                timeline = simulate(profile, plan, record=False)
+                row.update(predicted_ms=timeline.iteration_ms, predicted_exposed_ms=timeline.exposed_comm_ms)
+        rows[name] = row
+    return rows
+
+
+def simulated_timeline_png(value: dict[str, Any], policy: str, path: str | os.PathLike) -> str | None:
+    """Gantt of ``policy``'s plan simulated on its measured profile (``gantt_png(simulate(profile, plan))``)."""
+    from deft_compile.debug.artifacts import gantt_png, gantt_title, plan_cycle
+    from deft_compile.planner.plan import Plan, Profile
+    from deft_compile.planner.simulator import simulate
+
+    if policy not in value.get("plans", {}):
+        return None
+    plan, profile = Plan.from_json(value["plans"][policy]), Profile.from_json(value["profiles"][policy])
+    if profile.forward_ms + profile.backward_ms <= 0:
+        return None
+    timeline = simulate(profile, plan)
+    drawn = gantt_png(timeline, path, "simulated from the measured profile - " + gantt_title(profile, plan, timeline),
+                      plan=plan, steps=max(3, plan_cycle(plan)))  # a whole update-period cycle
+    return str(path) if drawn is not None else None
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while the bench runs, so ``with`` blocks delete their namespaces and
+    the interpreter exits normally (multiprocessing's atexit then terminates the daemon workers). Without it a
+    SIGTERM kills the parent at once and leaves its workers running. Main thread only; restored afterwards."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], workers: int = 2, links: int = 1,
+               bandwidth2: str | None = None, steps: int = 20, warmup: int = 3, rounds: int = 4,
+               batch: int | None = None, progress: bool = True, timeout_s: float = 900.0,
+               include_ddp: bool = True, measured_timeline: str | None = None, prefix: str = "deftbench",
+               label: str | None = None, network_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One launch: every variant of one model on one network. Returns the run's record (rows, samples, plans)."""
+    from deft_compile.tools.launcher import run_local_workers
+
+    rounds = max(1, min(rounds, steps))
+    block = max(1, math.ceil(steps / rounds))
+    variants = ["floor"] + (["ddp"] if include_ddp else []) + list(policies)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        net = network_info or stack.enter_context(network(bandwidth, links, workers, bandwidth2, prefix))
+        cfg = {"model": model, "batch": batch, "variants": variants, "warmup": warmup, "rounds": rounds,
+               "block": block, "progress": progress, "extra_links": list(net["extra_links"]), "batch_pool": 8,
+               "link_repeats": 3, "measured_timeline": measured_timeline,
+               "label": label or f"{model} @ {bandwidth or 'unshaped'}"}
+        results = run_local_workers(bench_worker, workers, (cfg,), timeout_s=timeout_s, collective_timeout_s=300.0,
+                                    **net["launch"])
+    elapsed = time.perf_counter() - started
+    value = results[0].value
+    rows = analyse(value, block)
+    return {
+        "model": model, "bandwidth": bandwidth, "bandwidth2": (bandwidth2 or bandwidth) if links == 2 else None,
+        "links": links, "workers": workers, "network": net["description"], "namespaces": net["namespaces"],
+        "params": value["params"], "gradient_bytes": value["gradient_bytes"], "batch_per_worker": value["batch"],
+        "allreduce_all_ms": value["allreduce_all_ms"],
+        "coverage_rate": value["allreduce_all_ms"] / rows["floor"]["step_ms"] if rows["floor"]["step_ms"] else None,
+        "steps": {"warmup": warmup, "rounds": rounds, "block": block, "timed": rounds * block},
+        "retraced": value["retraced"],
+        "identical_ddp_wfbp": value["identical_ddp_wfbp"], "max_abs_diff_ddp_wfbp": value["max_abs_diff_ddp_wfbp"],
+        "rows": rows, "samples_ms": value["samples_ms"],
+        "losses": value["losses"], "plans": value["plans"], "profiles": value["profiles"],
+        "plan_history": value["plan_history"], "measured_timeline": value.get("measured_timeline"),
+        "wall_s": elapsed,
+    }
+
+
+def format_table(runs: Sequence[dict[str, Any]]) -> str:
+    """The results table: one line per (model, network, variant)."""
+    header = (f"{'model':<12}{'network':<14}{'variant':<14}{'step ms':>9}{'median':>8}{'vs floor':>9}{'vs DDP':>8}"
+              f"{'paired':>8}{'exposed ms':>11}{'final loss':>11}{'sim ms':>8}{'retraced':>9}")
+    lines = [header, "-" * len(header)]
+    for run in runs:
+        net = (run["bandwidth"] or "unshaped") + (f"+{run['bandwidth2'] or 'unsh.'}" if run["links"] == 2 else "")
+        for name, row in run["rows"].items():
+            def fmt(key: str, pattern: str) -> str:
+                return pattern.format(row[key]) if row.get(key) is not None else "-"
+
+            lines.append(f"{run['model']:<12}{net:<14}{name:<14}{fmt('step_ms', '{:.1f}'):>9}"
+                         f"{fmt('median_ms', '{:.1f}'):>8}{fmt('vs_floor', '{:.2f}x'):>9}"
+                         f"{fmt('vs_ddp', '{:.2f}x'):>8}{fmt('paired_vs_ddp', '{:.2f}x'):>8}"
+                         f"{fmt('exposed_comm_ms', '{:.1f}'):>11}{fmt('final_loss', '{:.4f}'):>11}"
+                         f"{fmt('predicted_ms', '{:.1f}'):>8}{row.get('retraced_steps', 0):>9}")
+    return "\n".join(lines)
+
+
+def plot(runs: Sequence[dict[str, Any]], path: str | os.PathLike) -> str | None:
+    """Grouped bars: median step time / floor per variant, one group per (model, network)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'deft-compile[plot]')", file=sys.stderr)
+        return None
+    variants: list[str] = []
+    for run in runs:
+        variants += [v for v in run["rows"] if v not in variants]
+    groups = [f"{r['model']}\n{r['bandwidth'] or 'unshaped'}" + (f"+{r['bandwidth2'] or 'unshaped'}" if r["links"] == 2
+                                                                  else "") for r in runs]
+    width = 0.8 / max(1, len(variants))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(runs) * max(1, len(variants)) / 3), 4.2))
+    try:
+        for k, variant in enumerate(variants):
+            xs, ys = [], []
+            for g, run in enumerate(runs):
+                row = run["rows"].get(variant)
+                if row and row.get("vs_floor") is not None:
+                    xs.append(g + (k - (len(variants) - 1) / 2) * width)
+                    ys.append(row["vs_floor"])
+            ax.bar(xs, ys, width, label=variant)
+            for x, y in zip(xs, ys):
+                ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
+        ax.set_xticks(range(len(runs)), groups, fontsize=8)
+        ax.set_ylabel("step time / no-communication floor\n(median of block means, same run)")
+        ax.set_title(f"deft-compile bench: {runs[0]['workers']} workers, ratios within each run")
+        ax.legend(fontsize=8, ncol=min(6, len(variants)), loc="upper center", bbox_to_anchor=(0.5, -0.14),
+                  frameon=False)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return str(path)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _run_grid(args: argparse.Namespace, models: list[str], bandwidths: list[str | None], bandwidth2: str | None,
+              policies: list[str], infos: dict[str, Any], plot_path: Path | None, runs: list[dict[str, Any]]) -> None:
+    """Every (model, bandwidth) launch in turn; appends to ``runs`` as each finishes (kept if interrupted)."""
+    for model in models:
+        for bandwidth in bandwidths:
+            run = run_config(model, bandwidth, policies=policies, workers=args.workers, links=args.links,
+                             bandwidth2=bandwidth2, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+                             batch=args.batch, progress=not args.no_progress, timeout_s=args.timeout)
+            run["model_info"] = infos[model]
+            if plot_path is not None and "deft" in policies:
+                png = plot_path.with_name(f"{plot_path.stem}_{_slug(model)}_{_slug(bandwidth or 'unshaped')}"
+                                          f"{'_2links' if args.links == 2 else ''}_deft_timeline.png")
+                run["deft_timeline_png"] = simulated_timeline_png(run, "deft", png)
+            runs.append(run)
+            print(f"\n{run['model']} on {run['network']}: all-reduce of all gradients "
+                  f"{run['allreduce_all_ms']:.1f} ms, coverage rate {run['coverage_rate']:.2f}, "
+                  f"wall {run['wall_s']:.0f} s" + (f"; DDP and wfbp parameters bit-identical: {run['identical_ddp_wfbp']} "
+                                                  f"(max |diff| {run['max_abs_diff_ddp_wfbp']:.2g})"
+                                                  if run["identical_ddp_wfbp"] is not None else ""))
+            print(format_table([run]))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from deft_compile.tools.bench_models import describe, resolve_model
+    from deft_compile.tools.netns import created_namespaces
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICY_CHOICES]
+    if unknown:
+        print(f"unknown policies {unknown}; choose from {', '.join(POLICY_CHOICES)}", file=sys.stderr)
+        return 2
+    try:
+        bandwidths = [parse_rate(b) for b in args.bandwidth.split(",")]
+        bandwidth2 = parse_rate(args.bandwidth2) if args.bandwidth2 else None
+        infos = {m: describe(resolve_model(m)) for m in models}
+    except ValueError as error:
+        print(f"deft-compile bench: {error}", file=sys.stderr)
+        return 2
+    if args.links == 2 and args.workers != 2:
+        print("deft-compile bench: --links 2 needs --workers 2", file=sys.stderr)
+        return 2
+    needs_root = args.links == 2 or any(b is not None for b in bandwidths)
+    if needs_root:
+        reason = shaping_available()
+        if reason is not None:
+            print(f"deft-compile bench: {reason}\n  (run as root with iproute2, or use --bandwidth none)", file=sys.stderr)
+            return 2
+    if args.workers > (os.cpu_count() or 1):
+        print(f"note: {args.workers} workers on {os.cpu_count()} CPUs: compute is oversubscribed", file=sys.stderr)
+    for name, info in infos.items():
+        print(f"model {name}: {info['description']}; {info['params'] / 1e6:.2f} M parameters, "
+              f"{info['gradient_bytes'] / MiB:.1f} MiB of gradients")
+    runs: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    plot_path = Path(args.plot) if args.plot else None
+    try:
+        with sigterm_as_interrupt():
+            _run_grid(args, models, bandwidths, bandwidth2, policies, infos, plot_path, runs)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; namespaces left by this run: {created_namespaces() or 'none'}", file=sys.stderr)
+        _write(args, runs, time.perf_counter() - started, interrupted=True)
+        return 130
+    elapsed = time.perf_counter() - started
+    if len(runs) > 1:
+        print("\nall runs (ratios are within each run; absolute ms depend on the machine and its load):")
+        print(format_table(runs))
+    print(STAT_NOTE)
+    _write(args, runs, elapsed)
+    if plot_path is not None and runs:
+        if plot(runs, plot_path):
+            print(f"plot: {plot_path}")
+        for run in runs:
+            if run.get("deft_timeline_png"):
+                print(f"deft timeline (simulated): {run['deft_timeline_png']}")
+    print(f"wall time {elapsed:.0f} s; namespaces left: {created_namespaces() or 'none'}")
+    return 0
+
+
+def _write(args: argparse.Namespace, runs: list[dict[str, Any]], elapsed: float, interrupted: bool = False) -> None:
+    if not args.json:
+        return
+    import torch
+    payload = {"command": "deft-compile bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+               "config": {k: v for k, v in vars(args).items() if k != "func"},
+               "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "load_avg": os.getloadavg()},
+               "wall_s": elapsed, "interrupted": interrupted, "runs": runs}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(payload, indent=1))
+    print(f"results: {args.json}")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark policies against torch DDP and the no-communication floor on shaped links",
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="models: " + ", ".join(MODEL_NAMES) + ", or module:function / path.py:function returning "
+               "(model, optimizer_factory, batch_factory, loss_fn); see deft_compile/tools/bench_models.py")
+    parser.add_argument("--models", "--model", default=",".join(DEFAULT_MODELS),
+                        help=f"comma-separated models (default {','.join(DEFAULT_MODELS)})")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help=f"comma-separated deft_compile policies from {','.join(POLICY_CHOICES)} "
+                             f"(default {','.join(DEFAULT_POLICIES)}); torch DDP and the floor always run")
+    parser.add_argument("--workers", type=int, default=2, help="local workers, one intra-op thread each (default 2)")
+    parser.add_argument("--bandwidth", default="1gbit",
+                        help="comma-separated tc rates (1gbit, 200mbit) or 'none' for the unshaped loopback "
+                             "(default 1gbit; shaping needs root and iproute2)")
+    parser.add_argument("--bandwidth2", default=None, help="rate of link2 with --links 2 (default: --bandwidth)")
+    parser.add_argument("--links", type=int, choices=(1, 2), default=1,
+                        help="1: shaped loopback shared by all workers; 2: two hosts joined by two shaped veth links, "
+                             "deft uses both (2 workers)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="discarded steps per variant (default 3)")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds the timed steps are split into")
+    parser.add_argument("--batch", type=int, default=None, help="batch per worker (default: the model's)")
+    parser.add_argument("--json", help="write every number (samples, plans, profiles) to this file")
+    parser.add_argument("--plot", help="write a bar chart (step time / floor) to this PNG, and deft's simulated "
+                                       "timeline next to it")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before one launch's workers are killed")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=run_bench)

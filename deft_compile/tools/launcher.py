@@ -1,0 +1,185 @@
+"""Start local data-parallel workers (gloo on 127.0.0.1) and collect what they return.
+
+Used by the demo, the benchmarks and the tests. Every worker runs with one
+intra-op thread, a free port is picked per launch, every collective has a
+timeout, and the parent kills workers that outlive the launch deadline, so a bug
+fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+
+class WorkerFailure(RuntimeError):
+    """At least one worker raised, died or timed out; the message carries every worker's traceback."""
+
+    def __init__(self, results: list[WorkerResult]) -> None:
+        self.results = results
+        lines = []
+        for r in results:
+            if not r.ok:
+                lines.append(f"--- rank {r.rank} (exit code {r.exitcode}) ---\n{r.error}")
+        super().__init__("local workers failed:\n" + "\n".join(lines))
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_local_workers(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    *,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float = 60.0,
+    backend: str = "gloo",
+    raise_on_failure: bool = True,
+    env: dict[str, str] | None = None,
+    netns: Sequence[str] | None = None,
+    master_addr: str = "127.0.0.1",
+    rank_env: Sequence[dict[str, str]] | None = None,
+) -> list[WorkerResult]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+
+    Each process joins a fresh process group (``backend``, ``tcp://127.0.0.1``
+    on a free port, collectives time out after ``collective_timeout_s``).
+    ``fn`` must be importable (a module-level function) and return picklable
+    plain data. Returns one ``WorkerResult`` per rank; raises ``WorkerFailure``
+    if any rank failed and ``raise_on_failure`` is set.
+
+    For shaped links (``deft_compile.tools.netns``): ``netns`` names one network
+    namespace per rank, entered with setns(2) before the process group exists;
+    ``master_addr`` is the rendezvous address (reachable from rank 0's
+    namespace); ``rank_env`` adds per-rank variables such as
+    ``GLOO_SOCKET_IFNAME`` on top of ``env``.
+    """
+    if netns is not None and len(netns) != world_size:
+        raise ValueError(f"netns names {len(netns)} namespaces for world_size={world_size}; give one per rank")
+    if rank_env is not None and len(rank_env) != world_size:
+        raise ValueError(f"rank_env has {len(rank_env)} entries for world_size={world_size}; give one per rank")
+    context = mp.get_context("spawn")
+    results_queue = context.Queue()
+    port = free_port()
+    processes = []
+    for rank in range(world_size):
+        process = context.Process(
+            target=_worker_main,
+            args=(
+                fn, rank, world_size, port, backend, collective_timeout_s, args,
+                {**(env or {}), **(rank_env[rank] if rank_env is not None else {})},
+                results_queue,
+                netns[rank] if netns is not None else None,
+                master_addr,
+            ),
+            daemon=True,
+        )
+        process.start()
+        processes.append(process)
+    results: dict[int, WorkerResult] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < world_size and time.monotonic() < deadline:
+        try:
+            result = _unpack(results_queue.get(timeout=0.2))
+            results[result.rank] = result
+        except queue.Empty:
+            if all(not p.is_alive() for p in processes):
+                # Drain what the last processes managed to put before exiting.
+                time.sleep(0.2)
+                while True:
+                    try:
+                        result = _unpack(results_queue.get_nowait())
+                        results[result.rank] = result
+                    except queue.Empty:
+                        break
+                break
+    for process in processes:
+        process.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    ordered = []
+    for rank, process in enumerate(processes):
+        result = results.get(rank)
+        if result is None:
+            reason = "timed out" if time.monotonic() >= deadline else "exited without reporting a result"
+            result = WorkerResult(rank=rank, ok=False, error=f"worker {reason}", exitcode=process.exitcode)
+        else:
+            result.exitcode = process.exitcode
+        ordered.append(result)
+    if raise_on_failure and not all(r.ok for r in ordered):
+        raise WorkerFailure(ordered)
+    return ordered
+
+
+def _unpack(result: WorkerResult) -> WorkerResult:
+    """Values travel as plain pickles: torch's queue would share tensors through file
+    descriptors that vanish when the worker exits."""
+    if result.ok:
+        result.value = pickle.loads(result.value)
+    return result
+
+
+def _worker_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    collective_timeout_s: float,
+    args: tuple,
+    env: dict[str, str],
+    results_queue: Any,
+    netns_name: str | None = None,
+    master_addr: str = "127.0.0.1",
+) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        if netns_name is not None:
+            # Before any thread or socket exists: setns moves only this thread.
+            from deft_compile.tools.netns import enter_netns
+
+            enter_netns(netns_name)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        results_queue.put(WorkerResult(rank=rank, ok=True, value=pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results_queue.put(WorkerResult(rank=rank, ok=False, error=traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - the group may be broken after a peer failure
+                pass
