@@ -42,6 +42,21 @@ class DeftConfig(BucketSizes):
             ``("gloo:eth1",)`` or ``("gloo",)`` under NCCL (see
             ``deft_compile.step.links``). The profiler measures each; DeFT assigns
             buckets or bucket shares to them (a multiple knapsack).
+        max_grad_norm: clip the gradient vector each update applies to this global
+            norm, as ``torch.nn.utils.clip_grad_norm_`` before ``optimizer.step()``
+            (None: no clipping). The norm is ``step.last_grad_norm``. With delayed or
+            periodic buckets the vector is what that update applies: fresh buckets
+            and arrived delayed ones together (docs/POLICIES.md).
+        norm_type: the norm's order (``float("inf")`` for the max norm).
+        accumulation_steps: N calls of the step make one optimizer update, whose
+            gradient is the mean over the N micro-batches and all ranks (DDP with
+            ``no_sync()`` on the first N-1 and the loss divided by N); gradients are
+            communicated once per update.
+        loss_scale: ``"dynamic"`` for fp16 dynamic loss scaling inside the step with
+            ``torch.amp.GradScaler``'s defaults and rules, or a
+            ``torch.amp.GradScaler`` whose settings and scale tensors are used (its
+            ``get_scale()`` follows the step). An update whose gradients hold an
+            inf or NaN is skipped on every rank and the scale backs off.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -54,10 +69,25 @@ class DeftConfig(BucketSizes):
     links: tuple[str, ...] = ()
     always_profile: bool = False
     preserver: PreserverConfig = field(default_factory=PreserverConfig)
+    max_grad_norm: float | None = None
+    norm_type: float = 2.0
+    accumulation_steps: int = 1
+    loss_scale: Any = None
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
             raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive (or None for no clipping); got {self.max_grad_norm}")
+        if not (isinstance(self.accumulation_steps, int) and self.accumulation_steps >= 1):
+            raise ValueError(f"accumulation_steps must be an integer >= 1; got {self.accumulation_steps!r}")
+        if self.loss_scale is not None and self.loss_scale != "dynamic":
+            import torch
+
+            if not isinstance(self.loss_scale, torch.amp.GradScaler):
+                raise ValueError(
+                    f"loss_scale must be None, 'dynamic' or a torch.amp.GradScaler; got {self.loss_scale!r}"
+                )
         if self.max_cached_graphs < 1:
             raise ValueError("max_cached_graphs must be at least 1")
         from deft_compile.step.links import parse_link

@@ -28,35 +28,9 @@ import torch
 import torch.distributed as dist
 
 from deft_compile import DeftConfig, deft_compile
+from deft_compile.tools.corpus import load_stdlib_corpus as load_corpus
+from deft_compile.tools.corpus import random_windows as batch
 from deft_compile.tools.presets import GPT2Style
-
-
-def load_corpus(max_bytes: int) -> torch.Tensor:
-    """Up to ``max_bytes`` bytes of the stdlib's ``.py`` files (sorted paths, test suites skipped), uint8."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root).parts
-        if any(part in ("test", "tests", "idlelib", "site-packages", "lib2to3") for part in relative):
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    if not chunks:
-        raise SystemExit(f"no Python sources found under {root}")
-    corpus = b"".join(chunks)[:max_bytes]
-    return torch.frombuffer(bytearray(corpus), dtype=torch.uint8).clone()
-
-
-def batch(data: torch.Tensor, size: int, context: int, generator: torch.Generator, device: torch.device):
-    starts = torch.randint(0, data.numel() - context - 1, (size,), generator=generator)
-    windows = torch.stack([data[s:s + context + 1] for s in starts.tolist()]).long()
-    return windows[:, :-1].to(device), windows[:, 1:].to(device)
 
 
 @torch.no_grad()

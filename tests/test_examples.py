@@ -9,19 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE = EXAMPLES / "train_gpt.py"
+
+
+def _torchrun(tmp_path, script: Path, *args: str) -> subprocess.CompletedProcess:
+    torchrun = shutil.which("torchrun")
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", str(script), *args],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
 
 
 def test_train_gpt_under_torchrun(tmp_path):
-    torchrun = shutil.which("torchrun")
-    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     checkpoint = tmp_path / "ckpt.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    completed = subprocess.run(
-        [*launcher, "--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--steps", "3", "--tiny",
-         "--checkpoint", str(checkpoint)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
-    )
+    completed = _torchrun(tmp_path, EXAMPLE, "--steps", "3", "--tiny", "--checkpoint", str(checkpoint))
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
     assert "world size 2 (gloo)" in completed.stdout
@@ -29,3 +31,25 @@ def test_train_gpt_under_torchrun(tmp_path):
     assert len(losses) == 3 and all(0 < x < 10 for x in losses), completed.stdout
     assert re.search(r"final eval loss [0-9.]+", completed.stdout)
     assert checkpoint.exists()
+
+
+def test_train_gpt2_hf_under_torchrun_with_resume(tmp_path):
+    """The transformers GPT-2 loop: AdamW, warm-up + cosine, clipping, bf16 autocast, accumulation, evaluation,
+    checkpoint, then a second run resumed from it."""
+    checkpoint, resumed = tmp_path / "gpt2.pt", tmp_path / "gpt2-resumed.pt"
+    first = _torchrun(tmp_path, EXAMPLES / "train_gpt2_hf.py", "--tiny", "--steps", "4", "--checkpoint", str(checkpoint))
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    assert "world size 2 (gloo)" in first.stdout and "accumulation 2, bf16 autocast, clip 1.0" in first.stdout
+    updates = re.findall(r"^update (\d+) loss ([0-9.]+) grad-norm ([0-9.]+|-) lr ([0-9.e+-]+)", first.stdout, re.M)
+    assert [int(u[0]) for u in updates] == [1, 2, 3, 4], first.stdout
+    assert all(0 < float(u[1]) < 10 for u in updates)
+    assert any(u[2] != "-" for u in updates), "some update must report its clipped gradient norm"
+    rates = [float(u[3]) for u in updates]
+    assert rates[1] > rates[3], "cosine decay after the warm-up"
+    assert len(re.findall(r"^update \d+ eval loss [0-9.]+", first.stdout, re.M)) == 2
+    assert checkpoint.exists()
+    second = _torchrun(tmp_path, EXAMPLES / "train_gpt2_hf.py", "--tiny", "--steps", "2", "--resume", str(checkpoint),
+                       "--checkpoint", str(resumed))
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert "resumed from" in second.stdout and re.search(r"^update 5 loss", second.stdout, re.M)
+    assert re.search(r"final eval loss [0-9.]+ after 6 updates", second.stdout)

@@ -34,15 +34,12 @@ def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 
 def _ddp_pair(case: str) -> tuple:
-    """(make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer):
-    one model trained by torch DDP and a copy to train with deft_compile, same initial weights."""
-    make_model, make_optimizer, make_batch, loss_fn, ddp_kwargs, _exact = CASES[case]
-    torch.manual_seed(0)
-    base = make_model()
-    ddp_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
-    ddp = DistributedDataParallel(ddp_model, **ddp_kwargs)
-    return (make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, make_optimizer(ddp_model),
-            deft_model, make_optimizer(deft_model))
+    """``reference_and_deft(case)`` with the reference wrapped in torch DDP: (make_optimizer, make_batch, loss_fn,
+    base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer)."""
+    (make_optimizer, make_batch, loss_fn, base,
+     ddp_model, ddp_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
+    ddp = DistributedDataParallel(ddp_model, **CASES[case][4])
+    return make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer
 
 
 def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir: str | None = None, policy: str = "wfbp") -> dict:
@@ -284,12 +281,15 @@ class PlanReference:
     and its state alone. ``flush`` applies what is pending or accumulated.
     """
 
-    def __init__(self, model, optimizer, loss_fn, schedule: dict[str, tuple[int, int, int]], world_size: int) -> None:
+    def __init__(self, model, optimizer, loss_fn, schedule: dict[str, tuple[int, int, int]], world_size: int,
+                 max_grad_norm: float | None = None) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.schedule, self.world_size = schedule, world_size
+        self.max_grad_norm = max_grad_norm  # clip what each update applies (docs/POLICIES.md)
+        self.last_norm: torch.Tensor | None = None
         self.pending: dict[str, torch.Tensor] = {}
         self.accumulated: dict[str, tuple[torch.Tensor, int]] = {}
         self.t = 0
@@ -321,8 +321,14 @@ class PlanReference:
             else:
                 self.accumulated[name] = (total, count)
             p.grad = apply
+        self._clip()
         self.optimizer.step()
         self.t += 1
+
+    def _clip(self) -> None:
+        applied = [p for p in self.model.parameters() if p.grad is not None]
+        if self.max_grad_norm is not None and applied:
+            self.last_norm = torch.nn.utils.clip_grad_norm_(applied, self.max_grad_norm)
 
     def flush(self) -> None:
         for name, p in self.model.named_parameters():
@@ -330,6 +336,7 @@ class PlanReference:
             if name in self.accumulated:
                 total, count = self.accumulated.pop(name)
                 p.grad = self._average(total, count)
+        self._clip()
         self.optimizer.step()
 
 

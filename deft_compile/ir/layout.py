@@ -13,11 +13,13 @@ class GraphLayout:
 
     Inputs: parameters, buffers, optimizer-state tensors (``state_inputs``),
     ``num_user_inputs`` user tensors, ``num_lr_inputs`` learning rates (one
-    0-dim float64 tensor per param group, or none), then carries
+    0-dim float64 tensor per param group, or none), ``num_scaler_inputs`` loss-scaler
+    tensors (none, or the scale and its growth tracker), then carries
     (``carry_inputs``: keys such as ``pending:3`` or ``acc:3``).
     Outputs: the loss (unless ``has_loss`` is false), new optimizer-state
     tensors (``state_outputs``), the applied gradients (``gradient_outputs``,
-    parameter indices), then carries (``carry_outputs``, keys).
+    parameter indices), then carries (``carry_outputs``, keys; those starting with
+    ``step:`` are per-step results such as the gradient norm, not carried).
     """
 
     num_params: int
@@ -27,6 +29,7 @@ class GraphLayout:
     state_outputs: list[tuple[int, str]]
     gradient_outputs: list[int]
     num_lr_inputs: int = 0
+    num_scaler_inputs: int = 0
     carry_inputs: list[str] = field(default_factory=list)
     carry_outputs: list[str] = field(default_factory=list)
     has_loss: bool = True

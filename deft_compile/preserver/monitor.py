@@ -41,6 +41,8 @@ class WatchedStep(Protocol):
 
     def switch_plan(self, options: dict[str, Any], reason: str) -> None: ...
 
+    def updates_at(self, call_index: int) -> bool: ...
+
 
 class PreserverMonitor:
     def __init__(self, step: WatchedStep, preserver: Preserver) -> None:
@@ -83,7 +85,8 @@ class PreserverMonitor:
         """Called before every step: keep the weights if this step's staleness error is measured."""
         self._before = None
         if (self._probe is None and not self.preserver.exhausted
-                and self.preserver.staleness_due(self.step.step_count + 1) and self._worth_measuring()):
+                and self.preserver.staleness_due(self.step.step_count + 1) and self._worth_measuring()
+                and self.step.updates_at(self.step.step_count)):  # a call that only accumulates changes no weight
             self._before = [p.detach().clone() for p in self.step.graph.captured.model_state.params]
 
     def _staleness_errors(self, args: tuple, kwargs: dict) -> dict[tuple[str, ...], tuple[float, float]]:

@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.func import functional_call
 
+from deft_compile.outputs import loss_of
+
 _RECOMPUTE_SEED = 0x5EED
 
 
@@ -39,8 +41,8 @@ def _loss_at(model: torch.nn.Module, names: Sequence[str], params: Sequence[torc
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(_RECOMPUTE_SEED)
         if loss_fn is None:
-            return functional_call(model, tensors, args, kwargs)
-        return loss_fn(functional_call(model, tensors, (args[0],), kwargs), args[1])
+            return loss_of(functional_call(model, tensors, args, kwargs))
+        return loss_of(loss_fn(functional_call(model, tensors, (args[0],), kwargs), args[1]))
 
 
 def same_batch_gradient_change(

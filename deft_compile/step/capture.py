@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from deft_compile.ir import ops
 from deft_compile.errors import LossError, TraceError
+from deft_compile.outputs import loss_of
 from deft_compile.ir.layout import GraphLayout
 from deft_compile.step.optim_support import lr_inputs, traceable_optimizer
 
@@ -129,13 +130,28 @@ def capture_step(
     args: tuple,
     kwargs: dict,
     state_inputs: list[StateSlot],
+    *,
+    scale_loss: bool = False,
 ) -> CapturedStep:
     """Trace one training step of ``model`` with ``optimizer`` on example inputs.
 
     ``state_inputs`` lists the optimizer-state tensors that already exist and
     enter the graph as inputs (empty before the first step, when the optimizer
     creates its state inside the graph).
+
+    An ambient ``torch.autocast`` (the caller's, for any device type) applies to
+    the forward pass and the loss only, as in an eager loop that calls
+    ``backward()`` and ``optimizer.step()`` outside the autocast region.
+
+    With ``scale_loss`` the graph takes two more inputs after the learning rates,
+    the loss scale (0-dim float32) and the scaler's growth tracker (0-dim int32):
+    backward runs on ``loss * scale`` and every local gradient is multiplied by
+    ``1 / scale`` right away (``GradScaler.unscale_``'s arithmetic; exact for the
+    power-of-two scales dynamic scaling uses), so communication, delays and the
+    update see unscaled gradients. The non-finite check, the skip and the scale
+    update are added by the ``gradient_guards`` pass.
     """
+    autocast_settings = ambient_autocast()
     model_state = ModelState.of(model)
     index_of = model_state.index_of()
     for group_index, group in enumerate(optimizer.param_groups):
@@ -148,7 +164,7 @@ def capture_step(
     user_tensors, user_constants, user_spec = split_user_inputs(args, kwargs)
     num_params, num_buffers, num_states = len(model_state.params), len(model_state.buffers), len(state_inputs)
     learning_rates = lr_inputs(optimizer)
-    num_user = len(user_tensors)
+    num_user, num_lr = len(user_tensors), len(learning_rates)
     state_outputs: list[StateSlot] = []
     gradient_outputs: list[int] = []
     extra_state: dict[int, dict[str, Any]] = {}
@@ -160,15 +176,18 @@ def capture_step(
         states = flat[num_params + num_buffers : num_params + num_buffers + num_states]
         user_start = num_params + num_buffers + num_states
         user = list(flat[user_start : user_start + num_user])
+        lr_end = user_start + num_user + num_lr
         # each group's lr as a symbolic float read from its graph input: derived values (AdamW's
         # 1 - lr * wd, Adam's lr / bias_correction) are computed in the graph, not baked in
-        rates = [rate.item() for rate in flat[user_start + num_user :]]
+        rates = [rate.item() for rate in flat[user_start + num_user : lr_end]]
+        scale = flat[lr_end] if scale_loss else None
         call_args, call_kwargs = join_user_inputs(user, user_constants, user_spec)
         tensors = dict(zip(model_state.param_names, params))
         tensors.update(zip(model_state.buffer_names, buffers))
-        with tracker.active("forward"):
+        with tracker.active("forward"), forward_autocast(autocast_settings):
             if loss_fn is None:
-                loss = functional_call(model, tensors, call_args, call_kwargs)
+                output = functional_call(model, tensors, call_args, call_kwargs)
+                loss = loss_of(output)
             else:
                 if len(call_args) != 2:
                     raise TraceError(
@@ -176,14 +195,15 @@ def capture_step(
                         f"got {len(call_args)} positional arguments"
                     )
                 output = functional_call(model, tensors, (call_args[0],), call_kwargs)
-                loss = loss_fn(output, call_args[1])
+                loss = loss_of(loss_fn(output, call_args[1]))
         _check_scalar_loss(loss)
         ops.phase(loss.detach(), "forward")
         with tracker.active("backward"):
-            loss.backward()
+            (loss * scale if scale is not None else loss).backward()
+        inv_scale = scale.double().reciprocal().float() if scale is not None else None
         for index, p in enumerate(params):
             if p.grad is not None:
-                p.grad = ops.gradient(p.grad, index)
+                p.grad = ops.gradient(p.grad * inv_scale if inv_scale is not None else p.grad, index)
         initial = {i: {} for i in range(num_params)}
         for slot, tensor in zip(state_inputs, states):
             initial[slot[0]][slot[1]] = tensor
@@ -213,8 +233,10 @@ def capture_step(
     example += [optimizer.state[model_state.params[i]][key] for i, key in state_inputs]
     example += list(user_tensors)
     example += learning_rates
+    if scale_loss:  # values do not matter: fake tracing; the runtime passes the live scale and tracker
+        example += [torch.ones((), dtype=torch.float32), torch.zeros((), dtype=torch.int32)]
     try:
-        with _compile_session(), tracker.hooks():
+        with _compile_session(), tracker.hooks(), no_autocast():
             graph_module = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
     except (TraceError, LossError):
         raise
@@ -226,6 +248,7 @@ def capture_step(
         state_inputs=list(state_inputs),
         num_user_inputs=len(user_tensors),
         num_lr_inputs=len(learning_rates),
+        num_scaler_inputs=2 if scale_loss else 0,
         state_outputs=list(state_outputs),
         gradient_outputs=list(gradient_outputs),
     )
@@ -241,6 +264,37 @@ def capture_step(
         trainable=[p.requires_grad for p in model_state.params],
         extra_state=extra_state,
     )
+
+
+AutocastSettings = tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of every enabled autocast
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def ambient_autocast() -> AutocastSettings:
+    """The caller's enabled ``torch.autocast`` regions, per device type: part of the graph cache key."""
+    return tuple(
+        (device_type, torch.get_autocast_dtype(device_type))
+        for device_type in _AUTOCAST_DEVICE_TYPES
+        if torch.is_autocast_enabled(device_type)
+    )
+
+
+@contextlib.contextmanager
+def no_autocast() -> Iterator[None]:
+    """Autocast off for every device type: backward and the optimizer run outside it, as in eager loops."""
+    with contextlib.ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICE_TYPES:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def forward_autocast(settings: AutocastSettings) -> Iterator[None]:
+    """Re-enter the caller's autocast regions (``settings``) for the forward pass and the loss."""
+    with contextlib.ExitStack() as stack:
+        for device_type, dtype in settings:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        yield
 
 
 def _check_scalar_loss(loss: Any) -> None:

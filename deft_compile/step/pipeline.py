@@ -22,6 +22,8 @@ from deft_compile.debug.dump import GraphDumper
 from deft_compile.ir.layout import GraphLayout, layout_of
 from deft_compile.passes.broadcast_buffers import insert_buffer_broadcast
 from deft_compile.passes.cleanup import remove_detach, remove_profiler_ops
+from deft_compile.passes.gradient_guards import GuardOptions, guard_gradients
+from deft_compile.passes.local_collectives import elide_local_collectives
 from deft_compile.passes.markers import strip_markers
 from deft_compile.passes.optimizer_numerics import promote_bias_corrections
 from deft_compile.passes.schedule import ItemPhase, ScheduledItem, apply_schedule
@@ -76,8 +78,14 @@ def build_passes(
     *,
     phases: dict[int, ItemPhase] | None = None,
     flush: bool = False,
+    guards: GuardOptions | None = None,
 ) -> list[tuple[str, Pass]]:
-    """The ordered passes; no collectives when ``group`` is None (one process)."""
+    """The ordered passes; no collectives when ``group`` is None or has one rank (one process).
+
+    ``items`` on a one-process group (``LOCAL_GROUP``) still go through ``schedule``,
+    which accumulates gradients across calls, and then lose their collectives.
+    ``guards`` (clipping, loss scaling's skip) act on the gradients each update applies.
+    """
     passes: list[tuple[str, Pass]] = [
         ("remove_profiler_ops", remove_profiler_ops),
         ("remove_detach", remove_detach),
@@ -90,7 +98,12 @@ def build_passes(
                 ("broadcast_buffers", functools.partial(insert_buffer_broadcast, buffer_positions=positions, group_name=group.name))
             )
         passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
+    elif items:
+        passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
+        passes.append(("elide_local_collectives", elide_local_collectives))
     passes.append(("strip_markers", strip_markers))
+    if guards is not None and guards.active:
+        passes.append(("gradient_guards", functools.partial(guard_gradients, options=guards)))
     return passes
 
 
@@ -111,7 +124,8 @@ def compile_captured(
     *,
     phases: dict[int, ItemPhase] | None = None,
     flush: bool = False,
+    guards: GuardOptions | None = None,
 ) -> CompiledGraph:
-    passes = build_passes(captured, items, group, config, phases=phases, flush=flush)
+    passes = build_passes(captured, items, group, config, phases=phases, flush=flush, guards=guards)
     gm = run_passes(captured.graph_module, passes, dumper)
     return CompiledGraph(captured=captured, graph_module=gm, items=items, phases=dict(phases or {}), flush=flush)

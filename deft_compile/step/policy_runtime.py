@@ -40,6 +40,8 @@ class RunningStep(Protocol):
     @property
     def carry(self) -> dict[str, torch.Tensor]: ...
 
+    def updates_at(self, call_index: int) -> bool: ...
+
 
 class PolicyRuntime:
     """Run-time hooks of a policy; the base class does nothing (the plan says everything).
@@ -60,6 +62,9 @@ class PolicyRuntime:
 
     def __init__(self) -> None:
         self.last_stats: dict[str, list[float]] = {}
+
+    def check_config(self, policy: str, config: Any) -> None:
+        """Raise ``ValueError`` naming the option and the policy for a ``DeftConfig`` this policy cannot honour."""
 
     def step_group(self, step: RunningStep) -> CommGroup | None:
         """The group this step's items communicate over, when it is not the step's own group."""
@@ -92,6 +97,15 @@ class DeftRuntime(PolicyRuntime):
 class DLCPRuntime(PolicyRuntime):
     """DLCP carries a residual of dropped chunks after every step with a deadline (zero when nothing was
     dropped) and reports per item ``[chunks sent, dropped mass fraction]`` in ``last_stats``."""
+
+    def check_config(self, policy: str, config: Any) -> None:
+        # The residual of dropped chunks is DLCP's own carry across calls: it is added to the next
+        # gradient unscaled, so it can neither be averaged over accumulated micro-batches nor survive a
+        # skipped (non-finite) update.
+        if config.accumulation_steps > 1:
+            raise ValueError(f"DeftConfig.accumulation_steps > 1 is not supported by policy {policy!r}")
+        if config.loss_scale is not None:
+            raise ValueError(f"DeftConfig.loss_scale is not supported by policy {policy!r}")
 
     def before_flush(self, step: RunningStep) -> None:
         """Flushing a residual that is zero on every rank would still run an optimizer update (momentum
@@ -145,7 +159,7 @@ class DSSyncRuntime(PolicyRuntime):
         return CommGroup(name=comm.group_name, rank=dist.get_rank(comm), world_size=dist.get_world_size(comm))
 
     def after_step(self, step: RunningStep) -> None:
-        if self._averaging_group is not None:
+        if self._averaging_group is not None and step.updates_at(step.step_count):  # not while accumulating
             average_replicas(step.model, self._averaging_group)  # the group ends the step as one model
 
     def before_flush(self, step: RunningStep) -> None:

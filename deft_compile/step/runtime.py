@@ -22,7 +22,10 @@ from deft_compile.debug.artifacts import (
     record_plan,
     write_plan_artifacts,
 )
-from deft_compile.step.capture import CapturedStep, StateSlot, capture_step, split_user_inputs
+from deft_compile.passes.gradient_guards import FOUND_INF_KEY, GRAD_NORM_KEY
+from deft_compile.passes.local_collectives import LOCAL_GROUP
+from deft_compile.step.capture import CapturedStep, StateSlot, ambient_autocast, capture_step, split_user_inputs
+from deft_compile.step.loss_scaling import LossScaler, guard_options
 from deft_compile.config import DeftConfig
 from deft_compile.step.distributed import (
     broadcast_from_rank0,
@@ -40,8 +43,8 @@ from deft_compile.step.pipeline import CommGroup, CompiledGraph, annotate_captur
 from deft_compile.planner.plan import LinkCost, Plan, Profile
 from deft_compile.preserver import Preserver
 from deft_compile.preserver.monitor import PreserverMonitor
-from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile
-from deft_compile.planner.solvers import POLICIES, solve
+from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile, with_accumulation
+from deft_compile.planner.solvers import POLICIES, solve, solve_wfbp
 from deft_compile.step.policy_runtime import PolicyRuntime, runtime_for
 
 log = logging.getLogger("deft_compile")
@@ -73,11 +76,18 @@ class CompiledStep:
         check_optimizer(optimizer)
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+        policy_runtime = runtime_for(policy)
+        policy_runtime.check_config(policy, config)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.policy = policy
-        self.policy_runtime: PolicyRuntime = runtime_for(policy)  # what the policy does between steps
+        self.policy_runtime: PolicyRuntime = policy_runtime  # what the policy does between steps
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.loss_scaler: LossScaler | None = LossScaler.from_config(config.loss_scale, device)
+        self.last_grad_norm: torch.Tensor | None = None  # total gradient norm of the latest clipped update
+        self.last_update_skipped = False  # loss scaling found an inf/NaN in the latest update and skipped it
+        self.last_call_updated = False  # the last call applied an optimizer update (False while accumulating)
         self.config = config
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.comm_group, self._process_group = resolve_group(process_group)
@@ -121,6 +131,11 @@ class CompiledStep:
         """The data-parallel process group (None when training is local)."""
         return self._process_group
 
+    def updates_at(self, call_index: int) -> bool:
+        """Whether call number ``call_index`` (0-based) ends a gradient-accumulation cycle with an update."""
+        steps = self.config.accumulation_steps
+        return call_index % steps == steps - 1
+
     @property
     def items(self) -> list[ScheduledItem]:
         """The communication items the current plan runs (what the ``schedule`` pass places)."""
@@ -149,7 +164,7 @@ class CompiledStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
-        if self.comm_group is not None and not self._items:
+        if not self._items and (self.comm_group is not None or self.config.accumulation_steps > 1):
             self._plan_from(args, kwargs)  # keeps its capture for this call's compile (_planning_capture)
         if self.comm_group is not None:
             self._use_step_group(self.policy_runtime.step_group(self))
@@ -169,6 +184,7 @@ class CompiledStep:
                 self._accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
         self._planning_capture = None  # valid only for the call that planned
         self._last_call = (args, kwargs)
+        self.last_call_updated = self.updates_at(self.step_count)
         self.step_count += 1
         if self._monitor is not None:
             self._monitor.after_step(outputs, args, kwargs)
@@ -206,7 +222,7 @@ class CompiledStep:
         self.plan = self.solve(options)
         if self.config.check_consistency:
             check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
-        self._items = scheduled_items(self.plan, self._index, self._groups, self.profile.params[0].element_bytes)
+        self._items = self._scheduled(self.plan, self._index)
         self._accumulated = {}
         self._verified_signature = None
         self._record_plan(reason)
@@ -264,6 +280,7 @@ class CompiledStep:
             "pending": carry,
             "accumulated": dict(self._accumulated),
             "preserver": self._monitor.state_dict() if self._monitor is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -282,6 +299,8 @@ class CompiledStep:
         self._carry = {str(k): v.clone() for k, v in state["pending"].items()}
         self._accumulated = {int(k): int(v) for k, v in state.get("accumulated", {}).items()}
         self._preserver_state = state.get("preserver")  # applied when the Preserver exists (next step's planning)
+        if state.get("loss_scaler") is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
         if self._preserver_state is not None and self._monitor is not None:
             self._monitor.load_state_dict(self._preserver_state)
             self._preserver_state = None
@@ -319,6 +338,7 @@ class CompiledStep:
             tuple(sorted(phases.items())),
             self.plan.hash() if self.plan is not None else None,
             tuple((item.group_name, item.world_size) for item in self._items),
+            ambient_autocast(),  # the forward's autocast regions are traced into the graph
             flush,
         )
 
@@ -335,11 +355,12 @@ class CompiledStep:
         captured = self._planning_capture if self._planning_capture is not None and not flush else None
         self._planning_capture = None
         if captured is None:
-            captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
+            captured = self._capture(args, kwargs)
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
         group = self._step_group or self.comm_group
-        compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush)
+        guards = guard_options(self.config.max_grad_norm, self.config.norm_type, self.loss_scaler)
+        compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush, guards=guards)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
         log.info(
@@ -357,11 +378,38 @@ class CompiledStep:
             self._graphs.popitem(last=False)
         return compiled
 
+    def _scheduled(self, plan: Plan, index: ProfileIndex, groups: list[CommGroup] | None = None) -> list[ScheduledItem]:
+        """The plan's items on captured parameters and process groups, with gradient accumulation's period."""
+        profile = self.profile
+        items = scheduled_items(plan, index, groups or self._groups, profile.params[0].element_bytes if profile else 4)
+        return with_accumulation(items, self.config.accumulation_steps)
+
+    def _plan_local(self, captured: CapturedStep, index: ProfileIndex) -> None:
+        """Without a process group only gradient accumulation needs items: DDP's buckets on ``LOCAL_GROUP``,
+        whose collectives the pipeline removes."""
+        local = static_profile(captured, index, [LinkCost("local", 0.0, 0.0)], 1)
+        options = {"first_bucket_bytes": self.config.first_bucket_bytes, "bucket_cap_bytes": self.config.bucket_cap_bytes}
+        plan = solve_wfbp(local, **options)  # DDP's buckets: no communication to schedule
+        self._items = with_accumulation(
+            scheduled_items(plan, index, [CommGroup(name=LOCAL_GROUP, rank=0, world_size=1)], local.params[0].element_bytes),
+            self.config.accumulation_steps,
+        )
+        self._planning_capture = captured
+
+    def _capture(self, args: tuple, kwargs: dict) -> CapturedStep:
+        return capture_step(
+            self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots(),
+            scale_loss=self.loss_scaler is not None,
+        )
+
     def _plan_from(self, args: tuple, kwargs: dict) -> None:
         """Profile (unless given or not needed), solve, check the plan hash across ranks, translate to items."""
-        captured = capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots())
+        captured = self._capture(args, kwargs)
         annotation = annotate_capture(captured)
         index = ProfileIndex.of(annotation)
+        if self.comm_group is None:
+            self._plan_local(captured, index)
+            return
         if self.plan is None:
             if self.profile is None:
                 if not self.policy_runtime.needs_profile and not self.config.always_profile:
@@ -388,7 +436,7 @@ class CompiledStep:
         self._groups = [
             CommGroup(name=pg.group_name, rank=dist.get_rank(pg), world_size=dist.get_world_size(pg)) for _, pg in self._links
         ]
-        self._items = scheduled_items(self.plan, index, self._groups, self.profile.params[0].element_bytes)
+        self._items = self._scheduled(self.plan, index)
         if not self.plan_history:
             self._record_plan("initial plan")
         if self.policy_runtime.watched_by_preserver and self.config.preserver.enabled and self._monitor is None:
@@ -424,7 +472,8 @@ class CompiledStep:
         state = [self.optimizer.state[params[index]][key] for index, key in layout.state_inputs]
         carry = [self._carry[key] for key in layout.carry_inputs]
         rates = lr_inputs(self.optimizer)[: layout.num_lr_inputs]
-        return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *rates, *carry]
+        scaler = self.loss_scaler.inputs()[: layout.num_scaler_inputs] if self.loss_scaler is not None else []
+        return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *rates, *scaler, *carry]
 
     def _run(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> torch.Tensor | None:
         layout = compiled.layout
@@ -447,13 +496,23 @@ class CompiledStep:
         new_state = outputs[: len(layout.state_outputs)]
         gradients = outputs[len(layout.state_outputs) : len(layout.state_outputs) + len(layout.gradient_outputs)]
         carries = outputs[len(layout.state_outputs) + len(layout.gradient_outputs) :]
-        for (index, key_name), tensor in zip(layout.state_outputs, new_state):
-            self.optimizer.state[params[index]][key_name] = tensor
-        for index, entries in captured.extra_state.items():
-            self.optimizer.state[params[index]].update(entries)
+        carried = dict(zip(layout.carry_outputs, carries))
+        # Both describe the most recent call that applied gradients (with delayed buckets under accumulation
+        # that is the call after a cycle's last micro-batch), so they are kept through calls that apply none.
+        found_inf = carried.pop(FOUND_INF_KEY, None)
+        skipped = bool(found_inf) if found_inf is not None else False
+        if found_inf is not None:
+            self.last_update_skipped = skipped
+        norm = carried.pop(GRAD_NORM_KEY, None)
+        if norm is not None:
+            self.last_grad_norm = norm
+        if not skipped:  # a skipped update created no optimizer state (GradScaler skips step())
+            for (index, key_name), tensor in zip(layout.state_outputs, new_state):
+                self.optimizer.state[params[index]][key_name] = tensor
+            for index, entries in captured.extra_state.items():
+                self.optimizer.state[params[index]].update(entries)
         for index, gradient in zip(layout.gradient_outputs, gradients):
             params[index].grad = gradient
-        carried = dict(zip(layout.carry_outputs, carries))
         self._carry = {key: value for key, value in carried.items() if not key.startswith("stats:")}
         self.policy_runtime.record_stats({key: value for key, value in carried.items() if key.startswith("stats:")})
         return loss

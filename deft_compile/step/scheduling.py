@@ -8,6 +8,7 @@ order). ``ProfileIndex`` keeps the mapping, and ``scheduled_items`` turns a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from deft_compile.step.annotate import StepAnnotation
@@ -152,3 +153,14 @@ def scheduled_items(
             )
         )
     return items
+
+
+def with_accumulation(items: list[ScheduledItem], steps: int) -> list[ScheduledItem]:
+    """Gradient accumulation over ``steps`` calls: an item communicating every K updates communicates every
+    ``K * steps`` calls, on the last call of an accumulation cycle (its offset ``o`` becomes ``o * steps +
+    steps - 1``); the schedule pass sums local gradients in between and applies their mean."""
+    if steps == 1:
+        return items
+    return [
+        dataclasses.replace(item, period=item.period * steps, offset=item.offset * steps + steps - 1) for item in items
+    ]
