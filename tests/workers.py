@@ -232,7 +232,8 @@ def _graph_collectives(step) -> list[str]:
     import re
 
     code = step.graph.graph_module.code
-    return re.findall(r"_c10d_functional\.(all_reduce|wait_tensor|broadcast)\.default\(", code)
+    # In-place variants (``all_reduce_``, ``broadcast_``) count as their collective.
+    return [name.rstrip("_") for name in re.findall(r"_c10d_functional\.(all_reduce_?|wait_tensor|broadcast_?)\.default\(", code)]
 
 
 def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str) -> dict:
@@ -402,7 +403,7 @@ def compare_deft_with_delayed_reference(
             "periods": sorted({item.period for item in step.plan.items}),
             "links_used": sorted({item.link for item in step.plan.items}),
             "split_params": sorted(p for p, items in step.plan.items_of_param().items() if len({i.link for i in items}) > 1),
-            "groups_in_graph": sorted(set(re.findall(r"all_reduce\.default\([^,]+, 'sum', '([^']+)'", steady_code))),
+            "groups_in_graph": sorted(set(re.findall(r"all_reduce_?\.default\([^,]+, 'sum', '([^']+)'", steady_code))),
             "final_params": {n: p.detach().clone() for n, p in deft_model.named_parameters()},
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
             "collectives": steady_collectives, "items": len(step.plan.items)}
@@ -541,7 +542,7 @@ def dssync_run(rank: int, world_size: int, steps: int, average: str = "gradients
         inputs, targets = make_batch(data)
         torch.manual_seed(100 * rank + t)
         step(inputs, targets)
-        used = set(_re.findall(r"all_reduce\.default\([^,]+, 'sum', '([^']+)'", step.graph.graph_module.code))
+        used = set(_re.findall(r"all_reduce_?\.default\([^,]+, 'sum', '([^']+)'", step.graph.graph_module.code))
         members = [dist.get_process_group_ranks(pg) for pg in step.policy_runtime.subgroups.values()
                    if isinstance(pg, dist.ProcessGroup) and pg.group_name in used]
         # Reference: same partition, own groups, gradients averaged within the group.
