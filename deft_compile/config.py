@@ -7,6 +7,7 @@ from typing import Any
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 from deft_compile.preserver import PreserverConfig
+from deft_compile.step.closed_loop import ClosedLoopConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class DeftConfig(BucketSizes):
             ``("gloo:eth1",)`` or ``("gloo",)`` under NCCL (see
             ``deft_compile.step.links``). The profiler measures each; DeFT assigns
             buckets or bucket shares to them (a multiple knapsack).
+        closed_loop: closed-loop planning (``deft_compile.step.closed_loop``):
+            measure the plan, refine the profile when the simulator missed by
+            more than a tolerance, try the synchronous and re-solved plans, keep
+            the fastest measured. On by default for ``policy="deft"``;
+            ``ClosedLoopConfig(enabled=False)`` turns it off.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -54,6 +60,7 @@ class DeftConfig(BucketSizes):
     links: tuple[str, ...] = ()
     always_profile: bool = False
     preserver: PreserverConfig = field(default_factory=PreserverConfig)
+    closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
