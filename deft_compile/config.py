@@ -7,6 +7,7 @@ from typing import Any
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 from deft_compile.preserver import PreserverConfig
+from deft_compile.step.closed_loop import ClosedLoopConfig
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class DeftConfig(BucketSizes):
             ``torch.amp.GradScaler`` whose settings and scale tensors are used (its
             ``get_scale()`` follows the step). An update whose gradients hold an
             inf or NaN is skipped on every rank and the scale backs off.
+        closed_loop: closed-loop planning (``deft_compile.step.closed_loop``):
+            measure the plan, refine the profile when the simulator missed by
+            more than a tolerance, try the synchronous and re-solved plans, keep
+            the fastest measured. On by default for ``policy="deft"``;
+            ``ClosedLoopConfig(enabled=False)`` turns it off.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -73,6 +79,7 @@ class DeftConfig(BucketSizes):
     norm_type: float = 2.0
     accumulation_steps: int = 1
     loss_scale: Any = None
+    closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:

@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from deft_compile.passes.collectives import BROADCAST, WAIT, emit_flatten, emit_unflatten
+from deft_compile.passes.collectives import BROADCAST_, WAIT, emit_flatten, emit_unflatten, persistent_buffer
 
 aten = torch.ops.aten
 
@@ -33,9 +33,13 @@ def insert_buffer_broadcast(
         by_dtype[buffer.meta["val"].dtype].append(buffer)
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first_compute):
-        for group in by_dtype.values():
-            flat = emit_flatten(graph, group)
-            received = graph.call_function(WAIT, (graph.call_function(BROADCAST, (flat, src, group_name)),))
+        for number, (dtype, group) in enumerate(by_dtype.items()):
+            # Written into a flat buffer the graph module keeps, broadcast in place: no per-step allocation.
+            numel = sum(buffer.meta["val"].numel() for buffer in group)
+            device = group[0].meta["val"].device
+            out = persistent_buffer(gm, graph, f"_deft_broadcast_{number}", numel, dtype, device)
+            flat = emit_flatten(graph, group, out=out)
+            received = graph.call_function(WAIT, (graph.call_function(BROADCAST_, (flat, src, group_name)),))
             for buffer, value in zip(group, emit_unflatten(graph, received, group)):
                 graph.call_function(aten.copy_.default, (buffer, value))
     graph.lint()

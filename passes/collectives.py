@@ -18,9 +18,11 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 ALL_REDUCE = c10d.all_reduce.default
+ALL_REDUCE_ = c10d.all_reduce_.default  # in place: no copy of its input (``all_reduce`` clones it)
 BROADCAST = c10d.broadcast.default
+BROADCAST_ = c10d.broadcast_.default
 WAIT = c10d.wait_tensor.default
-COLLECTIVES = (ALL_REDUCE, BROADCAST)
+COLLECTIVES = (ALL_REDUCE, ALL_REDUCE_, BROADCAST, BROADCAST_)
 
 
 def shape_of(node: fx.Node) -> torch.Size:
@@ -31,12 +33,33 @@ def numel_of(node: fx.Node) -> int:
     return math.prod(shape_of(node))
 
 
-def emit_flatten(graph: fx.Graph, tensors: Sequence[fx.Node]) -> fx.Node:
-    """One flat buffer holding ``tensors`` back to back (a copy, like DDP's bucket)."""
+def emit_flatten(graph: fx.Graph, tensors: Sequence[fx.Node], out: fx.Node | None = None) -> fx.Node:
+    """One flat buffer holding ``tensors`` back to back (one copy, like DDP's bucket).
+
+    With ``out`` (a node holding a persistent flat buffer, e.g. a ``get_attr``) the
+    tensors are written into it (``cat.out``): no fresh allocation per step. Large
+    fresh allocations get new pages from the kernel on every call, which costs more
+    than the copy itself; in-place collectives (``all_reduce_``, ``broadcast_``) on
+    the result then avoid the functional collectives' own clone.
+    """
     flat = [graph.call_function(aten.reshape.default, (t, [-1])) for t in tensors]
+    if out is not None:
+        return graph.call_function(aten.cat.out, (flat,), {"out": out})
     if len(flat) == 1:
         return graph.call_function(aten.clone.default, (flat[0],))
     return graph.call_function(aten.cat.default, (flat,))
+
+
+def persistent_buffer(
+    gm: fx.GraphModule, graph: fx.Graph, name: str, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> fx.Node:
+    """A ``get_attr`` node reading a flat buffer registered on ``gm`` (not saved in its state dict).
+
+    The buffer lives as long as the graph module: a bucket the step writes into on
+    every call, like DDP's reducer buckets.
+    """
+    gm.register_buffer(name, torch.empty(numel, dtype=dtype, device=device), persistent=False)
+    return graph.get_attr(name)
 
 
 def emit_unflatten(graph: fx.Graph, flat: fx.Node, like: Sequence[fx.Node]) -> list[fx.Node]:

@@ -27,6 +27,17 @@ state) and ``flush`` (only the pending updates, no forward or backward).
 
 The graph's input/output layout is kept in ``gm.meta["deft_layout"]``
 (:class:`GraphLayout`), which this pass updates and the runtime reads.
+
+Memory traffic before a launch is one write of the bucket: the gradient pieces
+are copied once into a flat buffer, scaled in place (``mul_``) and all-reduced in
+place (``all_reduce_``; the functional ``all_reduce`` would clone its input). For
+items applied in this step the flat buffer is persistent, registered on the graph
+module (``cat.out``), like DDP's buckets: fresh multi-MB allocations get new pages
+from the kernel on every call, which delays the launch by more than the copy
+costs. The averaged gradients the update reads (and ``param.grad``) are views of
+that buffer until the next call, as with DDP's ``gradient_as_bucket_view``.
+Carried items (next-forward, next-update, accumulations) leave the graph, so
+they get a fresh buffer per call (still written once, scaled in place).
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ import torch.fx as fx
 
 from deft_compile.ir import ops
 from deft_compile.ir.layout import GraphLayout
-from deft_compile.passes.collectives import ALL_REDUCE, WAIT
+from deft_compile.passes.collectives import ALL_REDUCE, ALL_REDUCE_, WAIT, persistent_buffer
 
 aten = torch.ops.aten
 _getitem = operator.getitem
@@ -223,8 +234,7 @@ class _ScheduleRewriter:
         return min(nodes, key=self.order.__getitem__) if nodes else self.output
 
     # -- emission helpers -------------------------------------------------------
-    def _local_flat(self, item: ScheduledItem) -> fx.Node:
-        """This step's local gradient elements of ``item``, flattened in slice order (unscaled)."""
+    def _local_pieces(self, item: ScheduledItem) -> list[fx.Node]:
         pieces = []
         for s in item.slices:
             flat = self.graph.call_function(aten.reshape.default, (self.markers[s.param].args[0], [-1]))
@@ -232,12 +242,44 @@ class _ScheduleRewriter:
             if s.offset != 0 or s.count != numel:
                 flat = self.graph.call_function(aten.slice.Tensor, (flat, 0, s.offset, s.offset + s.count))
             pieces.append(flat)
+        return pieces
+
+    def _local_flat(self, item: ScheduledItem, *, bucket: fx.Node | None = None) -> fx.Node:
+        """This step's local gradient elements of ``item``, flattened in slice order (unscaled).
+
+        With ``bucket`` (a persistent buffer) they are written into it. Without, a
+        single piece is returned as is (a view of the gradient, not owned) and
+        several are concatenated into a fresh tensor (owned: see ``_owned_flat``).
+        """
+        pieces = self._local_pieces(item)
+        if bucket is not None:
+            return self.graph.call_function(aten.cat.out, (pieces,), {"out": bucket})
         return self.graph.call_function(aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
 
-    def _scaled(self, flat: fx.Node, item: ScheduledItem) -> fx.Node:
-        """Scale before the sum, as DDP's reducer does: divided by the samples the mean is over."""
-        count = self.phases[item.id].count
-        return self.graph.call_function(aten.mul.Tensor, (flat, 1.0 / (count * item.world_size)))
+    def _bucket(self, item: ScheduledItem) -> fx.Node:
+        """The persistent flat buffer of an item applied in this step (one per item and graph)."""
+        marker = self.markers[item.slices[0].param]
+        val = marker.meta["val"]
+        numel = sum(s.count for s in item.slices)
+        return persistent_buffer(self.gm, self.graph, f"_deft_bucket_{item.id}", numel, val.dtype, val.device)
+
+    def _scale_factor(self, item: ScheduledItem) -> float:
+        return 1.0 / (self.phases[item.id].count * item.world_size)
+
+    def _scaled(self, flat: fx.Node, item: ScheduledItem, *, owned: bool = False) -> fx.Node:
+        """Scale before the sum, as DDP's reducer does: divided by the samples the mean is over.
+
+        ``owned``: ``flat`` is a buffer this graph made for the item (fresh or
+        persistent), so it is scaled in place; otherwise the scaling is the copy.
+        """
+        if owned:
+            return self.graph.call_function(aten.mul_.Tensor, (flat, self._scale_factor(item)))
+        return self.graph.call_function(aten.mul.Tensor, (flat, self._scale_factor(item)))
+
+    @staticmethod
+    def _owned(node: fx.Node) -> bool:
+        """Whether ``node`` is a fresh tensor only this item's emission made (safe to write in place)."""
+        return node.op == "call_function" and node.target in (aten.cat.default, aten.cat.out, aten.add.Tensor)
 
     def _split(self, item: ScheduledItem, averaged: fx.Node) -> dict[int, list[tuple[int, fx.Node]]]:
         counts = [s.count for s in item.slices]
@@ -309,8 +351,11 @@ class _ScheduleRewriter:
             if launches and item.group_name in last_anchor and self.order[last_anchor[item.group_name]] > self.order[ready]:
                 anchor = last_anchor[item.group_name]
             insert_at = anchor.next  # fixed now: anchor.next moves as nodes are inserted after the anchor
+            persistent = (
+                launches and item.apply == APPLY_THIS_STEP and item.drop is None and not phase.accumulated_in
+            )
             with self.graph.inserting_before(insert_at):
-                local = self._local_flat(item)
+                local = self._local_flat(item, bucket=self._bucket(item) if persistent else None)
                 if phase.accumulated_in:
                     local = self.graph.call_function(aten.add.Tensor, (carried[accumulator_key(item.id)], local))
                 if item.drop is not None:
@@ -326,11 +371,11 @@ class _ScheduleRewriter:
                 if not phase.communicate:
                     self._carry_out[accumulator_key(item.id)] = local
                     continue
-                flat = self._scaled(local, item)
+                flat = self._scaled(local, item, owned=self._owned(local))
                 if item.apply == APPLY_NEXT_UPDATE:
                     self._carry_out[pending_key(item.id)] = flat
                     continue
-                reduced = self.graph.call_function(ALL_REDUCE, (flat, "sum", item.group_name))
+                reduced = self.graph.call_function(ALL_REDUCE_, (flat, "sum", item.group_name))
             last_anchor[item.group_name] = anchor
             if item.apply == APPLY_NEXT_FORWARD:
                 self._carry_out[pending_key(item.id)] = reduced
@@ -372,7 +417,7 @@ class _ScheduleRewriter:
         sent_index = g.call_function(aten.slice.Tensor, (order, 0, 0, n_sent))
         sent = g.call_function(aten.index_select.default, (chunks, 0, sent_index))
         flat_sent = g.call_function(aten.mul.Tensor, (g.call_function(aten.reshape.default, (sent, [-1])), 1.0 / item.world_size))
-        reduced = g.call_function(ALL_REDUCE, (flat_sent, "sum", item.group_name))
+        reduced = g.call_function(ALL_REDUCE_, (flat_sent, "sum", item.group_name))  # flat_sent is fresh
         residual = g.call_function(aten.index_fill.int_Scalar, (chunks, 0, sent_index, 0.0))
         residual = g.call_function(aten.slice.Tensor, (g.call_function(aten.reshape.default, (residual, [-1])), 0, 0, numel))
         self._carry_out[accumulator_key(item.id)] = residual
@@ -411,15 +456,16 @@ class _ScheduleRewriter:
                 if item.launch == LAUNCH_START_OF_BACKWARD and not self.flush:
                     launch_at = self.forward_end.next
                 with self.graph.inserting_before(launch_at):
-                    reduced = self.graph.call_function(ALL_REDUCE, (pending, "sum", item.group_name))
+                    # The carried local gradient is this item's own tensor (made by the previous call).
+                    reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
                 point = self._first_update(item.params)
                 with self.graph.inserting_before(point):
                     averaged = self.graph.call_function(WAIT, (reduced,))
                 self._collect(item, averaged, point, move=False)
             elif self.flush and phase.accumulated_in:
                 with self.graph.inserting_before(self.first_compute):
-                    flat = self._scaled(carried[accumulator_key(item.id)], item)
-                    reduced = self.graph.call_function(ALL_REDUCE, (flat, "sum", item.group_name))
+                    flat = self._scaled(carried[accumulator_key(item.id)], item)  # the copy that is launched
+                    reduced = self.graph.call_function(ALL_REDUCE_, (flat, "sum", item.group_name))
                 point = self._first_update(item.params)
                 with self.graph.inserting_before(point):
                     averaged = self.graph.call_function(WAIT, (reduced,))

@@ -61,10 +61,10 @@ def test_dump_describes_the_graph_that_ran(case_report):
         assert [p["pass"] for p in passes][0] == "captured"
         assert "schedule" in [p["pass"] for p in passes]
         allreduce_pass = next(p for p in passes if p["pass"] == "schedule")
-        assert allreduce_pass["diff"]["_c10d_functional.all_reduce.default"] == report["buckets"]
+        assert allreduce_pass["diff"]["_c10d_functional.all_reduce_.default"] == report["buckets"]
         assert "torch.ops.deft.gradient" not in (steady / passes[-1]["file"]).read_text()
         final = (steady / passes[-1]["file"]).read_text()
-        assert final.count("torch.ops._c10d_functional.all_reduce.default(") == report["buckets"]
+        assert final.count("torch.ops._c10d_functional.all_reduce_.default(") == report["buckets"]
         assert final.count("torch.ops._c10d_functional.wait_tensor.default(") == report["code"].count(
             "torch.ops._c10d_functional.wait_tensor.default("
         )

@@ -9,6 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from deft_compile import DeftConfig, deft_compile
+from deft_compile.step.closed_loop import ClosedLoopConfig
 from models import CASES
 
 
@@ -229,7 +230,8 @@ def _graph_collectives(step) -> list[str]:
     import re
 
     code = step.graph.graph_module.code
-    return re.findall(r"_c10d_functional\.(all_reduce|wait_tensor|broadcast)\.default\(", code)
+    # In-place variants (``all_reduce_``, ``broadcast_``) count as their collective.
+    return [name.rstrip("_") for name in re.findall(r"_c10d_functional\.(all_reduce_?|wait_tensor|broadcast_?)\.default\(", code)]
 
 
 def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str) -> dict:
@@ -409,7 +411,7 @@ def compare_deft_with_delayed_reference(
             "periods": sorted({item.period for item in step.plan.items}),
             "links_used": sorted({item.link for item in step.plan.items}),
             "split_params": sorted(p for p, items in step.plan.items_of_param().items() if len({i.link for i in items}) > 1),
-            "groups_in_graph": sorted(set(re.findall(r"all_reduce\.default\([^,]+, 'sum', '([^']+)'", steady_code))),
+            "groups_in_graph": sorted(set(re.findall(r"all_reduce_?\.default\([^,]+, 'sum', '([^']+)'", steady_code))),
             "final_params": {n: p.detach().clone() for n, p in deft_model.named_parameters()},
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
             "collectives": steady_collectives, "items": len(step.plan.items)}
@@ -451,7 +453,9 @@ def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict
     (make_optimizer, make_batch, loss_fn, base,
      ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
     data = torch.Generator().manual_seed(1234 + rank)
-    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft")
+    # The plan under test is the measured one: no closed-loop trials of other plans.
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft",
+                        config=DeftConfig(closed_loop=ClosedLoopConfig(enabled=False)))
     batches = [make_batch(data) for _ in range(steps)]
     report, _reference = _lockstep_with_reference(
         step, (deft_model, deft_optimizer), (ref_model, ref_optimizer), loss_fn, batches, rank, world_size
@@ -548,7 +552,7 @@ def dssync_run(rank: int, world_size: int, steps: int, average: str = "gradients
         inputs, targets = make_batch(data)
         torch.manual_seed(100 * rank + t)
         step(inputs, targets)
-        used = set(_re.findall(r"all_reduce\.default\([^,]+, 'sum', '([^']+)'", step.graph.graph_module.code))
+        used = set(_re.findall(r"all_reduce_?\.default\([^,]+, 'sum', '([^']+)'", step.graph.graph_module.code))
         members = [dist.get_process_group_ranks(pg) for pg in step.policy_runtime.subgroups.values()
                    if isinstance(pg, dist.ProcessGroup) and pg.group_name in used]
         # Reference: same partition, own groups, gradients averaged within the group.
@@ -655,3 +659,31 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
             "had_residual": had_residual, "carry_after_flush": sorted(step._carry),
             "residual_nonzero_somewhere": bool(nonzero.item()), "flush_moved_weights": not torch.equal(before_flush, flat),
             "replicas_equal_after_flush": bool(torch.equal(flat, reference))}
+
+
+def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int) -> dict:
+    """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
+    of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan."""
+    from deft_compile.step.closed_loop import ClosedLoopConfig
+
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(model)
+    profile = delaying_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
+                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3))
+    step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
+    step.closed_loop.inject = lambda plan: slower_ms if any(item.delay or item.period > 1 for item in plan.items) else 0.0
+    initial_delayed = None
+    for t in range(steps):
+        step(*batches[t])
+        if initial_delayed is None:
+            initial_delayed = sum(1 for item in step.plan.items if item.delay)
+    step.flush()
+    return {"initial_delayed": initial_delayed, "final_delayed": sum(1 for item in step.plan.items if item.delay),
+            "state": step.closed_loop.state, "plan_hash": step.plan.hash(),
+            "history": [{k: v for k, v in h.items()} for h in step.plan_history]}

@@ -17,7 +17,8 @@ attributed to a parameter:
 Link costs come from timed all-reduces of several sizes, fitted to
 ``alpha + beta * bytes`` (least squares, non-negative). Every rank measures,
 then all ranks take the maximum of each number, so every rank solves the same
-plan from the same profile.
+plan from the same profile. Per size, the link's time is the mean of the faster
+half of the repeats (``fast_mean``): robust to a busy moment on a shared machine.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ def _removed_before_running(node: fx.Node) -> bool:
 
 
 def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, warmup: int = 1) -> list[tuple[int, float]]:
-    """Median all-reduce time (ms) of a float32 tensor per size, over ``group``; every rank must call it.
+    """All-reduce time (ms) of a float32 tensor per size, over ``group``; every rank must call it.
+
+    The time per size is the mean of the faster half of ``repeats`` (``fast_mean``).
 
     Each repeat starts after a barrier and its time is the slowest rank's (a MAX
     all-reduce of the per-rank times), so all ranks return the same numbers and a
@@ -158,8 +161,22 @@ def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, 
             dist.all_reduce(tensor, group=group)
             times[index] = (time.perf_counter() - started) * 1e3
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        results.append((tensor.numel() * 4, float(statistics.median(times.tolist()))))
+        results.append((tensor.numel() * 4, fast_mean(times.tolist())))
     return results
+
+
+def fast_mean(samples: Sequence[float]) -> float:
+    """Mean of the faster half of ``samples`` (a trimmed statistic).
+
+    Noise on a shared machine only ever adds time, so the slow tail is dropped;
+    averaging the fast half (rather than taking the single fastest) keeps one
+    lucky sample from making a link look faster than it runs.
+    """
+    ordered = sorted(float(x) for x in samples)
+    if not ordered:
+        raise ValueError("fast_mean needs at least one sample")
+    half = ordered[: max(1, (len(ordered) + 1) // 2)]
+    return float(statistics.fmean(half))
 
 
 def fit_alpha_beta(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -222,12 +239,21 @@ def profile_step(
     *,
     warmup: int = 1,
     repeats: int = 3,
+    link_repeats: int = 6,
 ) -> Profile:
-    """Measure compute and links on this rank, then agree with the other ranks (if any)."""
+    """Measure compute and links on this rank, then agree with the other ranks (if any).
+
+    Compute: each node's fastest of ``repeats`` runs; links: the faster half of
+    ``link_repeats`` timed all-reduces per size, each the slowest rank's; then
+    every number is the maximum over ranks, so all ranks plan from one profile.
+    """
     index = ProfileIndex.of(annotation)
     node_ms = measure_node_times(captured, inputs, warmup=warmup, repeats=repeats)
     timings = attribute_times(annotation, index, node_ms)
-    links = [LinkCost(name, *fit_alpha_beta(measure_allreduce(group, LINK_PROBE_BYTES, repeats=3))) for name, group in groups]
+    links = [
+        LinkCost(name, *fit_alpha_beta(measure_allreduce(group, LINK_PROBE_BYTES, repeats=link_repeats)))
+        for name, group in groups
+    ]
     if not links:
         links = [LinkCost("local", 0.0, 0.0)]
     profile = static_profile(captured, index, links, world_size, timings)

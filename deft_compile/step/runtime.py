@@ -46,6 +46,7 @@ from deft_compile.preserver.monitor import PreserverMonitor
 from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile, with_accumulation
 from deft_compile.planner.solvers import POLICIES, solve, solve_wfbp
 from deft_compile.step.policy_runtime import PolicyRuntime, runtime_for
+from deft_compile.step.closed_loop import ClosedLoop
 
 log = logging.getLogger("deft_compile")
 
@@ -111,6 +112,10 @@ class CompiledStep:
         self.trace_count = 0
         self.last_trace_seconds = 0.0
         self._links: list[tuple[str, dist.ProcessGroup]] = []
+        # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
+        # communicates), so it stays off there (docs/API.md).
+        closed_loop = config.closed_loop.active_for(policy, profile is not None) and config.accumulation_steps == 1
+        self.closed_loop = ClosedLoop(config.closed_loop) if closed_loop else None
         if self._process_group is not None:
             if config.check_consistency:
                 self._check_model_across_ranks()
@@ -177,6 +182,7 @@ class CompiledStep:
             self._graphs.move_to_end(key)
         if self._monitor is not None:
             self._monitor.before_step()
+        started = time.perf_counter()
         outputs = self._timed_run(compiled, user_tensors)
         self.policy_runtime.after_step(self)
         for item in self._items:
@@ -188,6 +194,8 @@ class CompiledStep:
         self.step_count += 1
         if self._monitor is not None:
             self._monitor.after_step(outputs, args, kwargs)
+        if self.closed_loop is not None:  # measured plans, refined profile (deft_compile.step.closed_loop)
+            self.closed_loop.after_step(self, time.perf_counter() - started)
         return outputs
 
     def _use_step_group(self, group: CommGroup | None) -> None:
@@ -212,14 +220,14 @@ class CompiledStep:
         """The Preserver watching this step's plan (policies it watches, with a process group), or None."""
         return self._monitor.preserver if self._monitor is not None else None
 
-    def switch_plan(self, options: dict[str, Any], reason: str) -> None:
-        """Re-solve with ``options`` and use the new plan from the next step; pending gradients are flushed first.
+    def switch_plan(self, options: dict[str, Any], reason: str, plan: Plan | None = None) -> None:
+        """Re-solve with ``options`` (or take ``plan``) and use it from the next step; pending gradients are flushed first.
 
         Every rank must call it at the same step with the same options (the
         Preserver's signals are identical on all ranks, so its calls are).
         """
         self.flush()
-        self.plan = self.solve(options)
+        self.plan = plan if plan is not None else self.solve(options)
         if self.config.check_consistency:
             check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
         self._items = self._scheduled(self.plan, self._index)
@@ -233,6 +241,8 @@ class CompiledStep:
 
     def solve(self, options: dict[str, Any]) -> Plan:
         """The plan this step's policy gives for its profile with solver ``options`` (nothing changes)."""
+        if self.closed_loop is not None:
+            options = self.closed_loop.adjust_options(options)
         return solve(self.profile, self.policy, **options)
 
     def _record_plan(self, reason: str) -> None:

@@ -43,7 +43,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deft_compile.tools.presets import PRESETS, GPT2Style, Preset, VGGStyle, _adamw, _images, _sgd, _tokens, get_preset
+from deft_compile.tools.presets import (
+    PRESETS, QUICK_PRESETS, SUITE_PRESETS, GPT2Style, Preset, VGGStyle, _adamw, _images, _sgd, _tokens, get_preset,
+)
 
 # --------------------------------------------------------------------------- VGG family
 
@@ -170,6 +172,9 @@ def _teacher_vectors(size: int, g: torch.Generator) -> tuple[tuple[Any, ...], di
 BENCH_MODELS["mlp-teacher"] = Preset(
     "mlp-teacher", "MLP 256-512x3-10 (the mlp preset), SGD momentum, labels from a fixed linear teacher",
     PRESETS["mlp"].build, PRESETS["mlp"].optimizer, F.cross_entropy, _teacher_vectors, 64)
+
+BENCH_MODELS.update(SUITE_PRESETS)  # benchmarks/suite.py (issue 13)
+BENCH_MODELS.update(QUICK_PRESETS)
 
 #: Default bench selection: one member of each paper family.
 DEFAULT_MODELS = ("vgg19", "resnet101", "gpt2-mini")  # mirrored in deft_compile.tools.bench (no torch import there)

@@ -166,6 +166,9 @@ def _worker_main(
             from deft_compile.tools.netns import enter_netns
 
             enter_netns(netns_name)
+        from deft_compile.tools import emulation
+
+        emulation.before_init()  # DEFT_EMULATE_ACCELERATOR: gloo's threads on core 1
         dist.init_process_group(
             backend,
             init_method=f"tcp://{master_addr}:{port}",
@@ -173,6 +176,7 @@ def _worker_main(
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout_s),
         )
+        emulation.after_init()  # ... and this compute thread on core 0
         value = fn(rank, world_size, *args)
         results_queue.put(WorkerResult(rank=rank, ok=True, value=pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback

@@ -285,3 +285,85 @@ def get_preset(name: str) -> Preset:
         return PRESETS[key]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}") from None
+
+
+# --- benchmark-suite models (issue 13): models nobody tuned the planner for ------------------
+
+
+class VGGBN(nn.Module):
+    """VGG-16 with BatchNorm (configuration D: convs 2-2-3-3-3) for 32x32 images.
+
+    ``width`` divides torchvision's channels (64..512); the head is 512/width·… ->
+    ``hidden`` -> ``hidden`` -> classes, so most parameters sit in the FC head, as
+    in VGG. Convolutions have no bias (BatchNorm follows).
+    """
+
+    def __init__(self, width: int = 4, hidden: int = 1024, classes: int = 10, layout=(2, 2, 3, 3, 3)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        channels = 3
+        for stage, count in enumerate(layout):
+            out = min(512, 64 * 2**stage) // width
+            for _ in range(count):
+                layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
+                channels = out
+            layers.append(nn.MaxPool2d(2))
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(nn.Linear(channels, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                  nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+class HFLoss(nn.Module):
+    """A ``transformers`` model built from a config with random weights; ``forward(ids, labels)`` returns its loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def hf_gpt2(layers: int = 2, dim: int = 768, heads: int = 12, vocab: int = 8192, context: int = 64) -> nn.Module:
+    """GPT-2-small-like (dim 768, 12 heads, GELU MLP x4, tied head) with fewer blocks and a smaller vocabulary."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=context,
+                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, loss_type="ForCausalLM")
+    return HFLoss(GPT2LMHeadModel(config))
+
+
+def hf_bert(layers: int = 2, dim: int = 768, heads: int = 12, vocab: int = 8192, context: int = 64) -> nn.Module:
+    """BERT-base-like masked LM (dim 768, 12 heads, FFN 3072) with fewer layers and a smaller vocabulary."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(num_hidden_layers=layers, hidden_size=dim, num_attention_heads=heads, intermediate_size=4 * dim,
+                        vocab_size=vocab, max_position_embeddings=context, attention_probs_dropout_prob=0.0,
+                        hidden_dropout_prob=0.0, loss_type="ForMaskedLM")
+    return HFLoss(BertForMaskedLM(config))
+
+
+def _hf_tokens(size: int, g: torch.Generator, vocab: int = 8192, context: int = 64) -> Batch:
+    tokens = torch.randint(0, vocab, (size, context), generator=g)
+    return (tokens, tokens.clone()), {}
+
+
+SUITE_PRESETS: dict[str, Preset] = {
+    "vgg16-bn": Preset("vgg16-bn", "VGG-16 with BatchNorm (convs 2-2-3-3-3, channels /4, FC 1024), 32x32, SGD momentum",
+                       VGGBN, _sgd, F.cross_entropy, _images, 32),
+    "gpt2-small-hf": Preset("gpt2-small-hf", "transformers GPT-2 (dim 768, 12 heads) 2 blocks, vocab 8192, context 64, "
+                            "random weights, AdamW", hf_gpt2, _adamw, None, _hf_tokens, 2),
+    "bert-base-hf": Preset("bert-base-hf", "transformers BERT (dim 768, 12 heads, FFN 3072) 2 layers, vocab 8192, "
+                           "context 64, random weights, AdamW", hf_bert, _adamw, None, _hf_tokens, 2),
+}
+#: Tiny versions for ``benchmarks/suite.py --quick`` and its test.
+QUICK_PRESETS: dict[str, Preset] = {
+    "vgg16-bn-tiny": Preset("vgg16-bn-tiny", "VGG-16-BN, channels /16, FC 128", lambda: VGGBN(width=16, hidden=128),
+                            _sgd, F.cross_entropy, _images, 4),
+    "gpt2-hf-tiny": Preset("gpt2-hf-tiny", "transformers GPT-2, 1 block x 64, vocab 256",
+                           lambda: hf_gpt2(layers=1, dim=64, heads=4, vocab=256, context=16), _adamw, None,
+                           lambda size, g: _hf_tokens(size, g, vocab=256, context=16), 2),
+}

@@ -1,0 +1,191 @@
+"""Benchmark suite (issue 13): models nobody tuned the planner for, each at two link rates, every variant.
+
+    python benchmarks/suite.py                       # full suite -> benchmarks/results/suite.json + docs/BENCHMARKS.md
+    python benchmarks/suite.py --quick               # tiny models, few steps, unshaped (seconds; the test runs it)
+    python benchmarks/suite.py --emulate-accelerator # compute thread on core 0, gloo threads on core 1
+
+Models (``deft_compile.tools.presets`` / ``bench_models``): VGG-16 with BatchNorm and ResNet-50 at CIFAR
+size, GPT-2-small-like and BERT-base-like ``transformers`` models from configs with random weights.
+Rates: per model, a calibration launch measures the no-communication step (``floor``) and the gradient
+bytes; the link is shaped (``tc tbf`` in a network namespace, root needed) so that one all-reduce of all
+gradients takes ``CR x floor`` for each coverage rate CR in ``--coverage`` (default 1 and 2).
+Variants per launch (interleaved rounds in one process pair, ``deft_compile.tools.bench.run_config``):
+floor, torch DDP and every policy. ``--launches`` launches (default 3) per (model, rate); the table gives
+per variant the median over launches of the step time and of the paired ratio to DDP, with the spread
+(min-max over launches). The machine this runs on may be shared: read the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deft_compile.tools import bench  # noqa: E402
+
+SUITE_MODELS = ("vgg16-bn", "resnet50", "gpt2-small-hf", "bert-base-hf")
+QUICK_MODELS = ("vgg16-bn-tiny", "gpt2-hf-tiny")
+POLICIES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync")
+BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
+
+
+def rate_for(gradient_bytes: int, floor_ms: float, coverage: float) -> str:
+    """The shaped rate at which all-reducing ``gradient_bytes`` over 2 workers takes ``coverage x floor_ms``.
+
+    A 2-worker ring moves 2(N-1)/N = 1 x the bytes per worker each way.
+    """
+    bits = gradient_bytes * 8
+    mbit = bits / (coverage * floor_ms / 1e3) / 1e6
+    return f"{max(1, int(round(mbit)))}mbit"
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per variant: median and min/max over launches of step ms, paired ratio to DDP, ratio to floor."""
+    out: dict[str, dict[str, Any]] = {}
+    names = list(runs[0]["rows"])
+    for name in names:
+        rows = [run["rows"][name] for run in runs if name in run["rows"]]
+
+        def stat(key: str) -> dict[str, float] | None:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+        out[name] = {key: stat(key) for key in ("step_ms", "paired_vs_ddp", "vs_ddp", "vs_floor", "predicted_ms")}
+        hashes = [r.get("plan_hash") for r in rows if r.get("plan_hash")]
+        out[name]["distinct_plans"] = len(set(hashes)) if hashes else None
+    return out
+
+
+def _cell(stat: dict[str, float] | None, pattern: str) -> str:
+    if not stat:
+        return "-"
+    return f"{pattern.format(stat['median'])} ({pattern.format(stat['min'])}-{pattern.format(stat['max'])})"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| model | link (CR) | variant | step ms | vs DDP (paired) | vs floor | sim ms | plans |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for entry in results:
+        link = f"{entry['rate'] or 'unshaped'} ({entry['coverage_measured']:.2f})" if entry.get("coverage_measured") else (entry["rate"] or "unshaped")
+        for name, agg in entry["aggregate"].items():
+            lines.append(f"| {entry['model']} | {link} | {name} | {_cell(agg['step_ms'], '{:.0f}')} | "
+                         f"{_cell(agg['paired_vs_ddp'], '{:.2f}')} | {_cell(agg['vs_floor'], '{:.2f}')} | "
+                         f"{_cell(agg['predicted_ms'], '{:.0f}')} | {agg['distinct_plans'] or '-'} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001 - plotting is optional
+        return None
+    groups = [f"{e['model']}\n{e['rate'] or 'unshaped'}" for e in results]
+    variants = [v for v in results[0]["aggregate"] if v != "floor"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 3.5))
+    width = 0.8 / max(1, len(variants))
+    for i, name in enumerate(variants):
+        values = [(e["aggregate"].get(name, {}).get("vs_floor") or {}).get("median", 0) for e in results]
+        ax.bar([g + i * width for g in range(len(groups))], values, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=7)
+    ax.set_ylabel("step time / floor (median of launches)")
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def write_docs(results: list[dict[str, Any]], meta: dict[str, Any], docs: Path, png: str | None) -> None:
+    section = [BEGIN, "", f"Generated by `{meta['command']}` on {meta['date']} ({meta['mode']}; {meta['launches']} "
+               f"launch(es) per row; machine: {os.cpu_count()} cores, possibly shared). Cells: median over launches "
+               "(min-max). `vs DDP (paired)`: median over rounds of block-time ratios in one launch.", "",
+               table(results), ""]
+    if png:
+        section += [f"![suite]({os.path.relpath(png, docs.parent)})", ""]
+    section.append(END)
+    text = docs.read_text() if docs.exists() else ""
+    block = "\n".join(section)
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text += "\n\n## Suite: models nobody tuned for (issue 13)\n\n" + block + "\n"
+    docs.write_text(text)
+
+
+def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.emulate_accelerator:
+        os.environ["DEFT_EMULATE_ACCELERATOR"] = "1"  # inherited by the spawned workers (deft_compile.tools.emulation)
+    models = args.models or (QUICK_MODELS if args.quick else SUITE_MODELS)
+    policies = args.policies or (("wfbp", "deft") if args.quick else POLICIES)
+    shaping = bench.shaping_available() is None and not args.unshaped
+    results = []
+    for model in models:
+        common = dict(policies=policies, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+                      progress=False, label=model, timeout_s=args.timeout)
+        rates: list[tuple[str | None, float | None]] = [(None, None)]
+        if shaping:
+            calibration = bench.run_config(model, None, **{**common, "policies": [], "include_ddp": False})
+            floor_ms = calibration["rows"]["floor"]["step_ms"]
+            rates = [(rate_for(calibration["gradient_bytes"], floor_ms, cr), cr) for cr in args.coverage]
+        for rate, target in rates:
+            runs = [bench.run_config(model, rate, **common) for _ in range(args.launches)]
+            coverage = statistics.median([r["coverage_rate"] for r in runs if r.get("coverage_rate")] or [0.0])
+            results.append({"model": model, "rate": rate, "coverage_target": target, "coverage_measured": coverage,
+                            "aggregate": aggregate(runs),
+                            "runs": [{k: r[k] for k in ("rows", "plan_history", "wall_s", "coverage_rate")} for r in runs]})
+            print(table(results[-1:]), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny models, few steps, 1 launch, wfbp and deft")
+    parser.add_argument("--emulate-accelerator", action="store_true")
+    parser.add_argument("--unshaped", action="store_true", help="do not shape links even as root")
+    parser.add_argument("--models", nargs="*")
+    parser.add_argument("--policies", nargs="*")
+    parser.add_argument("--coverage", type=float, nargs="*", default=[1.0, 2.0])
+    parser.add_argument("--launches", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "suite.json"))
+    parser.add_argument("--docs", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="'' to skip the docs section")
+    args = parser.parse_args(argv)
+    defaults = dict(launches=1, steps=4, warmup=2, rounds=2) if args.quick else dict(launches=3, steps=24, warmup=12, rounds=4)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.quick and not args.models:
+        args.unshaped = True
+    started = time.time()
+    results = run_suite(args)
+    meta = {"command": "python benchmarks/suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": time.time() - started, "launches": args.launches,
+            "mode": "accelerator emulation" if args.emulate_accelerator else "normal"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    if args.docs:
+        png = plot(results, out.with_suffix(".png"))
+        write_docs(results, meta, Path(args.docs), png)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

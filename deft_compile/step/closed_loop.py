@@ -1,0 +1,274 @@
+"""Closed-loop planning: measure the plan that runs, refine the profile, keep the fastest measured plan.
+
+The plan is solved from a profile taken once, on a few node-by-node runs and a
+few timed all-reduces. When the running step differs from the simulator's
+prediction by more than ``tolerance`` (allocator effects, a busy machine,
+overlap the model does not capture), the plan may be wrong. The loop:
+
+1. ``observe``: after ``warmup_steps`` (new graphs compile), time
+   ``measure_steps`` steps of the current plan. Each rank takes the median of
+   its step times; ranks agree on the maximum (an all-reduce MAX), so every rank
+   takes the same decision at the same step.
+2. ``trial``: run each candidate plan the same way: always the synchronous one
+   (DDP's buckets, ``max_staleness=0``), and, when the measurement missed the
+   prediction by more than ``tolerance``, the plan re-solved on a refined
+   profile. The refined profile scales compute and link costs by the two
+   factors that make the simulator best reproduce the measured times of the
+   plans measured so far (a log-grid least squares on relative errors).
+3. ``settled``: the fastest measured candidate runs from then on. A plan with
+   delays or periods must be faster than the synchronous candidate by more
+   than ``min_gain``; otherwise the synchronous plan wins, so a plan never runs
+   slower than its measured synchronous alternative. If the synchronous plan
+   won, later re-plans (the Preserver's) keep ``max_staleness=0``.
+
+Every decision is appended to ``CompiledStep.plan_history`` (key
+``closed_loop`` with the measured and predicted times) and logged.
+Tests and experiments can add time to a plan's measurement with ``inject``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("deft_compile")
+
+
+@dataclass(frozen=True)
+class ClosedLoopConfig:
+    """Knobs of closed-loop planning (``DeftConfig.closed_loop``).
+
+    Attributes:
+        enabled: True/False, or None for "on for ``policy='deft'`` when the step
+            measures its own profile; off otherwise" (a profile the user gives
+            is taken as the user's decision and not refined).
+        warmup_steps: steps after a plan change not measured (graphs compile).
+        measure_steps: steps timed per plan (their median counts).
+        tolerance: relative gap between measured and predicted step time above
+            which the profile is refined and the plan re-solved.
+        min_gain: a plan with delays must beat the synchronous plan by this
+            fraction of the step time to be kept.
+    """
+
+    enabled: bool | None = None
+    warmup_steps: int = 3
+    measure_steps: int = 5
+    tolerance: float = 0.2
+    min_gain: float = 0.01
+
+    def active_for(self, policy: str, profile_given: bool = False) -> bool:
+        return self.enabled if self.enabled is not None else (policy == "deft" and not profile_given)
+
+
+def refine_scales(
+    measured: list[tuple[Any, float]], simulate_ms: Callable[[Any, float, float], float]
+) -> tuple[float, float, float]:
+    """Compute and link factors (a, b) minimising the squared relative error of the simulated times.
+
+    ``measured``: (plan, measured ms) pairs; ``simulate_ms(plan, a, b)`` predicts
+    a plan's time with compute scaled by ``a`` and link costs by ``b``. A coarse
+    log grid (0.125x..8x), then two finer ones around the best. Returns (a, b, rms
+    relative error).
+    """
+
+    def error(a: float, b: float) -> float:
+        return math.sqrt(sum(((simulate_ms(plan, a, b) - ms) / ms) ** 2 for plan, ms in measured) / len(measured))
+
+    def grid(center_a: float, center_b: float, span: float, points: int) -> tuple[float, float, float]:
+        best = (math.inf, center_a, center_b)
+        for i in range(points):
+            for j in range(points):
+                a = center_a * span ** (2 * i / (points - 1) - 1)
+                b = center_b * span ** (2 * j / (points - 1) - 1)
+                e = error(a, b)
+                if e < best[0] - 1e-12:
+                    best = (e, a, b)
+        return best
+
+    e, a, b = grid(1.0, 1.0, 8.0, 13)  # 0.125x .. 8x, factor sqrt(2) apart
+    e, a, b = grid(a, b, math.sqrt(2.0), 9)
+    e, a, b = grid(a, b, 2 ** 0.125, 9)  # ~1.1% apart
+    return a, b, e
+
+
+def scaled_profile(profile, compute: float, link: float):
+    """``profile`` with every compute time times ``compute`` and every link's α, β times ``link``."""
+    from deft_compile.planner.plan import Profile
+
+    data = profile.to_dict()
+    for param in data["params"]:
+        for key in ("forward_ms", "backward_ms", "update_ms"):
+            param[key] *= compute
+    for key in ("extra_forward_ms", "extra_backward_ms"):
+        data[key] *= compute
+    for entry in data["links"]:
+        entry["alpha_ms"] *= link
+        entry["beta_ms_per_byte"] *= link
+    return Profile.from_dict(data)
+
+
+def _is_synchronous(plan) -> bool:
+    return all(item.delay == 0 and item.period == 1 and item.link == 0 for item in plan.items)
+
+
+class ClosedLoop:
+    """Drives observe → trial → settled for one ``CompiledStep`` (see the module docstring)."""
+
+    def __init__(self, config: ClosedLoopConfig) -> None:
+        self.config = config
+        self.state = "observe"
+        self.inject: Callable[[Any], float] | None = None  # extra ms added to a plan's measured steps
+        self.measured: dict[str, tuple[Any, float]] = {}  # plan hash -> (plan, agreed measured ms)
+        self.synchronous_only = False
+        self.scales: tuple[float, float] = (1.0, 1.0)
+        self._queue: list[tuple[Any, str]] = []
+        self._expect: str | None = None
+        self._since_change = 0
+        self._times: list[float] = []
+        self._refined = False
+        self.gap = 0.0
+
+    # -- hooks called by CompiledStep -------------------------------------------------
+    def adjust_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Solver options for a re-plan by someone else (the Preserver): synchronous once that won."""
+        if self.synchronous_only:
+            return {**options, "max_staleness": 0, "allow_period": False}
+        return options
+
+    def after_step(self, step, seconds: float) -> None:
+        if self.state == "settled" or step.plan is None or step.process_group is None:
+            return
+        if self._expect is None:
+            self._expect = step.plan.hash()
+        if step.plan.hash() != self._expect:  # someone else (the Preserver) switched: start over on its plan
+            self._expect, self._since_change, self._times = step.plan.hash(), 0, []
+            return
+        self._since_change += 1
+        if self._since_change <= self.config.warmup_steps:
+            return
+        extra = self.inject(step.plan) if self.inject is not None else 0.0
+        self._times.append(seconds * 1e3 + extra)
+        if len(self._times) < self.config.measure_steps:
+            return
+        measured = self._agree(step, statistics.median(self._times))
+        self.measured[step.plan.hash()] = (step.plan, measured)
+        if self.state == "observe":
+            self._after_observe(step, measured)
+        else:
+            self._next_trial(step)
+
+    # -- decisions ----------------------------------------------------------------------
+    def _agree(self, step, value: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=step.process_group)
+        return float(tensor.item())
+
+    def _after_observe(self, step, measured: float) -> None:
+        plan = step.plan
+        predicted = float(plan.predicted_iteration_ms or 0.0)
+        self.gap = abs(measured - predicted) / measured if measured > 0 else 0.0
+        self._note(step, "closed loop: measured the initial plan", plan, measured, predicted, gap=self.gap)
+        self._queue = []
+        if not _is_synchronous(plan):
+            self._queue.append((self._synchronous_plan(step), "synchronous candidate"))
+        self._queue = [(p, why) for p, why in self._queue if p.hash() not in self.measured]
+        self.state = "trial"
+        self._next_trial(step)
+
+    def _synchronous_plan(self, step):
+        """DDP's buckets, no delays or periods: the candidate every other plan must beat."""
+        if step.policy == "deft":
+            return step.solve({**step.plan.options, "max_staleness": 0, "allow_period": False})
+        from deft_compile.planner.solvers import solve
+
+        options = {k: v for k, v in step.plan.options.items() if k in ("first_bucket_bytes", "bucket_cap_bytes")}
+        return solve(step.profile, "wfbp", **options)
+
+    def _refined_plan(self, step):
+        """Scale the profile so the simulator reproduces the measured plan, re-solve with hysteresis."""
+        from deft_compile.planner.stability import predicted_ms, solve_stable
+
+        base = step.profile
+        measured = [value for value in self.measured.values()]
+
+        def simulate_ms(plan, a: float, b: float) -> float:
+            return predicted_ms(scaled_profile(base, a, b), plan)
+
+        # One measurement cannot separate compute from link: assume the link
+        # is as measured and fit compute only, unless more plans are measured.
+        if len(measured) < 2:
+            a = 1.0
+            best = math.inf
+            for i in range(-24, 25):
+                factor = 2 ** (i / 8)
+                plan, ms = measured[0]
+                e = abs(simulate_ms(plan, factor, 1.0) - ms) / ms
+                if e < best:
+                    best, a = e, factor
+            b, error = 1.0, best
+        else:
+            a, b, error = refine_scales(measured, simulate_ms)
+        self.scales = (a, b)
+        step.profile = scaled_profile(base, a, b)
+        options = dict(step.plan.options)
+        refined = solve_stable(step.profile, step.policy, incumbent=step.plan, **options)
+        log.info("closed loop: refined profile (compute x%.2f, link x%.2f, fit error %.1f%%)", a, b, 100 * error)
+        if refined.hash() == step.plan.hash():
+            return None
+        return refined
+
+    def _next_trial(self, step) -> None:
+        if not self._queue and not self._refined and self.gap > self.config.tolerance:
+            self._refined = True
+            refined = self._refined_plan(step)
+            if refined is not None and refined.hash() not in self.measured:
+                self._queue.append((refined, "re-planned on the refined profile"))
+        if self._queue:
+            plan, why = self._queue.pop(0)
+            self._switch(step, plan, f"closed loop trial: {why}")
+            return
+        # All measured: keep the fastest; the synchronous plan wins ties within min_gain.
+        entries = list(self.measured.values())
+        synchronous = [ms for plan, ms in entries if _is_synchronous(plan)]
+        sync_ms = min(synchronous) if synchronous else math.inf
+        best_plan, best_ms = min(entries, key=lambda e: e[1])
+        if not _is_synchronous(best_plan) and best_ms > sync_ms * (1.0 - self.config.min_gain):
+            best_plan, best_ms = min(((p, ms) for p, ms in entries if _is_synchronous(p)), key=lambda e: e[1])
+        self.synchronous_only = _is_synchronous(best_plan) and any(not _is_synchronous(p) for p, _ in entries)
+        from deft_compile.planner.stability import predicted_ms
+
+        summary = {
+            h[:12]: {"measured_ms": round(ms, 3), "predicted_ms": round(predicted_ms(step.profile, p), 3),
+                     "synchronous": _is_synchronous(p)}
+            for h, (p, ms) in self.measured.items()
+        }
+        if best_plan.hash() != step.plan.hash():
+            self._switch(step, best_plan, f"closed loop: fastest measured plan ({best_ms:.1f} ms)", candidates=summary)
+        else:
+            self._note(step, f"closed loop: kept the fastest measured plan ({best_ms:.1f} ms)", best_plan, best_ms,
+                       float(best_plan.predicted_iteration_ms or 0.0), candidates=summary)
+        self.state = "settled"
+
+    def _switch(self, step, plan, reason: str, **extra: Any) -> None:
+        step.switch_plan(plan.options, reason, plan=plan)
+        self._expect, self._since_change, self._times = step.plan.hash(), 0, []
+        step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales), **extra}
+        log.info("%s; measured so far: %s", reason, {h[:12]: round(ms, 3) for h, (_p, ms) in self.measured.items()})
+
+    def _note(self, step, reason: str, plan, measured: float, predicted: float, **extra: Any) -> None:
+        entry = {
+            "step": step.step_count,
+            "plan_hash": plan.hash(),
+            "reason": reason,
+            "delayed_items": sum(1 for item in plan.items if item.delay),
+            "max_period": max((item.period for item in plan.items), default=1),
+            "closed_loop": {"measured_ms": measured, "predicted_ms": predicted, "scales": list(self.scales), **extra},
+        }
+        step.plan_history.append(entry)
+        log.info("step %d: %s: measured %.2f ms, predicted %.2f ms", step.step_count, reason, measured, predicted)

@@ -1,0 +1,33 @@
+"""Accelerator emulation on a CPU host (``benchmarks/suite.py --emulate-accelerator``).
+
+On a GPU the step's kernels run on the device and gloo/NCCL communication on
+other hardware, so compute and communication do not compete for one CPU. Here
+the worker's communication threads are confined to core 1 and its compute
+thread to core 0: the affinity is set to core 1 *before* ``init_process_group``
+(gloo's threads, created there, inherit it), then the calling thread alone is
+moved to core 0 (``sched_setaffinity(0, ...)`` applies to the calling thread).
+Enabled by the environment variable ``DEFT_EMULATE_ACCELERATOR=1``; Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "DEFT_EMULATE_ACCELERATOR"
+COMPUTE_CORE, COMM_CORE = 0, 1
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "") not in ("", "0") and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
+
+
+def before_init() -> None:
+    """Threads created from now on (gloo's) run on the communication core."""
+    if enabled():
+        os.sched_setaffinity(0, {COMM_CORE})
+
+
+def after_init() -> None:
+    """The calling (compute) thread runs on the compute core."""
+    if enabled():
+        os.sched_setaffinity(0, {COMPUTE_CORE})

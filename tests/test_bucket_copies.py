@@ -1,0 +1,117 @@
+"""The rewritten step writes each bucket once before its launch (issue 13).
+
+A functional ``all_reduce`` clones its input and ``cat`` + out-of-place ``mul``
+allocate two more buffers: three fresh copies of every bucket on the compute
+thread before the launch, each faulting in new pages when it is large. The
+schedule pass instead writes a this-step bucket into a persistent buffer
+(``cat.out``), scales it in place (``mul_``) and launches ``all_reduce_``.
+Pure graph checks: nothing runs, no processes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from deft_compile.config import DeftConfig
+from deft_compile.debug.dump import GraphDumper
+from deft_compile.passes.collectives import ALL_REDUCE, ALL_REDUCE_, BROADCAST, BROADCAST_, WAIT
+from deft_compile.passes.schedule import (
+    APPLY_NEXT_FORWARD,
+    APPLY_NEXT_UPDATE,
+    APPLY_THIS_STEP,
+    LAUNCH_START_OF_FORWARD,
+    ItemPhase,
+    ScheduledItem,
+    Slice,
+)
+from deft_compile.planner.plan import LinkCost
+from deft_compile.planner.solvers import solve
+from deft_compile.step.capture import capture_step
+from deft_compile.step.pipeline import CommGroup, annotate_capture, compile_captured
+from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile
+from models import BatchNormCNN
+
+aten = torch.ops.aten
+GROUP = CommGroup(name="fake_group", rank=0, world_size=2)
+
+
+def _captured():
+    torch.manual_seed(0)
+    model = BatchNormCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
+    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out, y)  # noqa: E731
+    captured = capture_step(model, optimizer, loss_fn, batch, {}, [])
+    return captured, ProfileIndex.of(annotate_capture(captured))
+
+
+def _compile(captured, items, phases=None, flush=False) -> fx.GraphModule:
+    config = DeftConfig(bucket_cap_mb=0.001, first_bucket_mb=0.0005)
+    return compile_captured(captured, items, GROUP, config, GraphDumper(None), phases=phases, flush=flush).graph_module
+
+
+def _calls(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def test_wfbp_buckets_are_written_once_and_reduced_in_place():
+    captured, index = _captured()
+    profile = static_profile(captured, index, [LinkCost("default", 0.0, 0.0)], 2)
+    plan = solve(profile, "wfbp", first_bucket_bytes=512, bucket_cap_bytes=2048)
+    items = scheduled_items(plan, index, [GROUP])
+    assert len(items) > 1 and any(len(item.slices) > 1 for item in items), "the test needs multi-piece buckets"
+    gm = _compile(captured, items)
+
+    assert not _calls(gm, ALL_REDUCE) and not _calls(gm, BROADCAST), "only in-place collectives"
+    launches = _calls(gm, ALL_REDUCE_)
+    assert len(launches) == len(items)
+    buffers = dict(gm.named_buffers())
+    for launch in launches:
+        scale = launch.args[0]
+        assert scale.target is aten.mul_.Tensor, scale.format_node()
+        write = scale.args[0]
+        assert write.target is aten.cat.out, write.format_node()
+        bucket = write.kwargs["out"]
+        assert bucket.op == "get_attr" and bucket.target in buffers
+        # Between a gradient and its launch: reshape/slice views only, then the one write.
+        for piece in write.args[0]:
+            assert piece.target in (aten.reshape.default, aten.slice.Tensor, aten.view.default), piece.format_node()
+        assert [u.target for u in launch.users] == [WAIT]
+    sizes = sorted(buffers[n.args[0].args[0].kwargs["out"].target].numel() for n in launches)
+    assert sizes == sorted(sum(s.count for s in item.slices) for item in items)
+    # The buffer broadcast writes into its own persistent buffer and broadcasts in place as well.
+    broadcasts = _calls(gm, BROADCAST_)
+    assert broadcasts and all(b.args[0].target is aten.cat.out for b in broadcasts)
+    assert not _calls(gm, aten.cat.default)
+
+
+def test_carried_items_get_their_own_memory_one_copy_each():
+    captured, index = _captured()
+    ready = list(index.ready)
+    numel = lambda c: captured.model_state.params[c].numel()  # noqa: E731
+    whole = lambda c: Slice(c, 0, numel(c))  # noqa: E731
+    items = [
+        ScheduledItem(0, (whole(ready[0]), whole(ready[1])), GROUP.name, 2, apply=APPLY_NEXT_FORWARD),
+        ScheduledItem(1, (whole(ready[2]),), GROUP.name, 2, launch=LAUNCH_START_OF_FORWARD, apply=APPLY_NEXT_UPDATE),
+        ScheduledItem(2, tuple(whole(c) for c in ready[3:]), GROUP.name, 2, apply=APPLY_THIS_STEP),
+    ]
+    # Steady state: item 0 and 1 carry in from the previous call.
+    phases = {0: ItemPhase(pending_in=True), 1: ItemPhase(pending_in=True), 2: ItemPhase()}
+    gm = _compile(captured, items, phases)
+    assert not _calls(gm, ALL_REDUCE)
+    layout = gm.meta["deft_layout"]
+    outputs = dict(zip(layout.carry_outputs, list(next(n for n in gm.graph.nodes if n.op == "output").args[0])[-len(layout.carry_outputs):]))
+    # next-forward: a fresh cat (not a persistent buffer: it leaves the graph), scaled in place, launched in place.
+    launched = outputs["pending:0"]
+    assert launched.target is ALL_REDUCE_ and launched.args[0].target is aten.mul_.Tensor
+    assert launched.args[0].args[0].target is aten.cat.default
+    # next-update: the local gradient is carried (one copy, the scaling), launched in place in the next call.
+    carried = outputs["pending:1"]
+    assert carried.target is aten.mul.Tensor and carried.args[0].target is aten.reshape.default
+    pending_launch = [n for n in _calls(gm, ALL_REDUCE_) if n.args[0].op == "placeholder"]
+    assert len(pending_launch) == 1 and pending_launch[0].args[0].name == "pending_1"
+    this_step = [n for n in _calls(gm, ALL_REDUCE_) if n.args[0].target is aten.mul_.Tensor and n.args[0].args[0].target is aten.cat.out]
+    assert len(this_step) == 1
+    buckets = sorted(name for name, _ in gm.named_buffers() if name.startswith("_deft_bucket_"))
+    assert buckets == ["_deft_bucket_2"], "only the this-step item has a persistent bucket"

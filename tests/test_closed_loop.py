@@ -1,0 +1,46 @@
+"""Closed-loop planning (issue 13): measured plans, the synchronous candidate always tried, the fastest kept."""
+
+from __future__ import annotations
+
+import math
+
+from deft_compile.planner.zoo_profiles import build_profile
+from deft_compile.planner.solvers import solve
+from deft_compile.step.closed_loop import refine_scales, scaled_profile
+from deft_compile.planner.stability import predicted_ms
+from deft_compile.tools.launcher import run_local_workers
+from workers import closed_loop_run
+
+
+def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (1000.0, 18), timeout_s=240)]
+    for report in results:
+        assert report["initial_delayed"] > 0, "the initial plan must delay buckets for the test to mean anything"
+        assert report["state"] == "settled"
+        assert report["final_delayed"] == 0, report["history"]
+        reasons = [h["reason"] for h in report["history"]]
+        assert any("synchronous candidate" in r for r in reasons), reasons
+        assert "fastest measured plan" in reasons[-1], reasons
+        measured = report["history"][-1]["closed_loop"]["candidates"]
+        assert len(measured) == 2 and all(m["measured_ms"] > 0 for m in measured.values())
+    assert results[0]["plan_hash"] == results[1]["plan_hash"]
+    assert results[0]["history"] == results[1]["history"] or [h["plan_hash"] for h in results[0]["history"]] == [
+        h["plan_hash"] for h in results[1]["history"]
+    ]
+
+
+def test_keeps_the_delaying_plan_when_it_measures_faster():
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (-1000.0, 18), timeout_s=240)]
+    for report in results:
+        assert report["state"] == "settled" and report["final_delayed"] > 0, report["history"]
+
+
+def test_refinement_recovers_compute_and_link_scales():
+    profile = build_profile("resnet101", inter_gbps=25)
+    plans = [solve(profile, "deft"), solve(profile, "deft", max_staleness=0)]
+    truth = scaled_profile(profile, 1.6, 0.7)
+    measured = [(plan, predicted_ms(truth, plan)) for plan in plans]
+    a, b, error = refine_scales(measured, lambda plan, a, b: predicted_ms(scaled_profile(profile, a, b), plan))
+    assert error < 0.02
+    for plan, ms in measured:
+        assert math.isclose(predicted_ms(scaled_profile(profile, a, b), plan), ms, rel_tol=0.05)
