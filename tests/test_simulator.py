@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -257,3 +258,29 @@ def test_simulating_500_buckets_is_fast() -> None:
     timeline = simulate(profile, plan, record=False, check=False)
     per_iteration = (time.perf_counter() - start) / timeline.measured[1]
     assert per_iteration < 0.025  # target 5 ms; loose here, benchmarks/planner_speed.py measures
+
+
+def test_update_waiting_for_every_gradient_is_simulated() -> None:
+    """With clipping or loss scaling the synchronous update waits for the delayed buckets of the previous step
+    too (``update_waits_for_all``): a delayed all-reduce that outlasts forward and backward then shows."""
+    from deft_compile.planner.plan import UPDATE_AT_NEXT_STEP, UPDATE_AT_STEP, WAIT_BEFORE_NEXT_UPDATE, WAIT_END_OF_BACKWARD
+    from deft_compile.planner.plan import WINDOW_BACKWARD, WINDOW_FORWARD_NEXT
+
+    profile = three_param_profile(update_ms=0.5)
+    # p0 delayed on a slow second link (its all-reduce 12.5 ms outlasts forward + backward), p1 and p2
+    # synchronous on the fast first link: only the update-waits-for-all rule makes p0's wait show.
+    slow = dataclasses.replace(profile, links=[LinkCost("fast", 0.5, 0.001), LinkCost("slow", 0.5, 0.003)])
+    items = [
+        CommItem(0, whole(0, 1000), link=1, window=WINDOW_FORWARD_NEXT, wait_at=WAIT_BEFORE_NEXT_UPDATE,
+                 update_at=UPDATE_AT_NEXT_STEP, delay=1),
+        CommItem(1, whole(1, 250) + whole(2, 250), window=WINDOW_BACKWARD, wait_at=WAIT_END_OF_BACKWARD,
+                 update_at=UPDATE_AT_STEP, order=1),
+    ]
+    plain = Plan("deft", items)
+    waiting = Plan("deft", items, options={"update_waits_for_all": True})
+    base, clipped = simulate(slow, plain), simulate(slow, waiting)
+    assert clipped.iteration_ms > base.iteration_ms
+    # the planner's prediction carries the option through solve()
+    solved = solve(slow, "deft", update_waits_for_all=True)
+    assert solved.options["update_waits_for_all"] is True
+    assert solved.predicted_iteration_ms >= solve(slow, "deft").predicted_iteration_ms - 1e-9

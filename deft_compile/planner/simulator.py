@@ -78,10 +78,16 @@ class _Model:
     extra_backward: float
     backward_total: float
     cycle: int
+    update_waits_for_all: bool = False  # clipping / loss scaling: no update before every applied gradient arrived
     next_window: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.next_window = self.window <= 1
+
+
+# Plan option: every update waits for every gradient it applies (global-norm clipping, loss scaling's
+# non-finite check), so the synchronous update also waits for the delayed buckets of the previous step.
+UPDATE_WAITS_FOR_ALL = "update_waits_for_all"
 
 
 def _build_model(profile: Profile, plan: Plan) -> _Model:
@@ -168,7 +174,8 @@ def _build_model(profile: Profile, plan: Plan) -> _Model:
         param_update=param_update, param_mode=param_mode, param_period=param_period,
         param_offset=param_offset, param_backward=param_backward,
         extra_forward=float(profile.extra_forward_ms), extra_backward=float(profile.extra_backward_ms),
-        backward_total=float(profile.backward_ms), cycle=cycle)
+        backward_total=float(profile.backward_ms), cycle=cycle,
+        update_waits_for_all=bool(plan.options.get(UPDATE_WAITS_FOR_ALL, False)))
 
 
 def _layer_position(layers: np.ndarray, layer: int) -> int:
@@ -430,6 +437,11 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
         mask = wait_end & active
         if mask.any():
             now = max(now, float(ends[mask].max()))
+        if model.update_waits_for_all and program >= 1:  # the synchronous update waits for the delayed ones too
+            waited = np.concatenate([ends_prev[wait_next & active_prev & ~next_window],
+                                     ends[wait_next & active & next_window]])
+            if waited.size:
+                now = max(now, float(waited.max()))
         param_steps = program - model.param_offset
         sync_ms = float(model.param_update[sync_params & (param_steps % model.param_period == 0)].sum())
         sync_span = (now, now + sync_ms)

@@ -44,6 +44,7 @@ from deft_compile.planner.plan import LinkCost, Plan, Profile
 from deft_compile.preserver import Preserver
 from deft_compile.preserver.monitor import PreserverMonitor
 from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile, with_accumulation
+from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL
 from deft_compile.planner.solvers import POLICIES, solve, solve_wfbp
 from deft_compile.step.policy_runtime import PolicyRuntime, runtime_for
 from deft_compile.step.closed_loop import ClosedLoop
@@ -471,6 +472,8 @@ class CompiledStep:
 
     def _solver_options(self) -> dict[str, Any]:
         options: dict[str, Any] = dict(self.config.plan_options)
+        if self.config.max_grad_norm is not None or self.loss_scaler is not None:
+            options.setdefault(UPDATE_WAITS_FOR_ALL, True)  # the gradient_guards pass makes updates wait for all
         if self.policy_runtime.uses_buckets:
             options.setdefault("first_bucket_bytes", self.config.first_bucket_bytes)
             options.setdefault("bucket_cap_bytes", self.config.bucket_cap_bytes)

@@ -52,7 +52,8 @@ DEFAULT_POLICIES = ("wfbp", "bytescheduler", "usbyte", "deft")
 # Kept here (not imported from bench_models) so that building the CLI parser does not import torch:
 # `deft-compile simulate` must work without it. tests/test_bench.py checks they match bench_models.
 MODEL_NAMES = ("mlp", "vgg", "resnet", "gpt2", "vgg11", "vgg16", "vgg19", "resnet18", "resnet50", "resnet101",
-               "gpt2-tiny", "gpt2-mini", "mlp-teacher")
+               "gpt2-tiny", "gpt2-mini", "mlp-teacher", "vgg16-bn", "gpt2-small-hf", "bert-base-hf", "vgg16-bn-tiny",
+               "gpt2-hf-tiny")
 DEFAULT_MODELS = ("vgg19", "resnet101", "gpt2-mini")
 FINAL_LOSS_STEPS = 5
 STAT_NOTE = (
@@ -108,6 +109,23 @@ def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any) -> 
         flag = torch.tensor([1.0 if retraced else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         quiet = 0 if flag.item() else quiet + 1
+
+
+def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, loop: Any, limit: int = 60) -> None:
+    """Warm up until closed-loop planning (``deft_compile.step.closed_loop``) settled on a plan: its measured
+    trials switch plans and retrace, which the timed steps must not include. Ranks decide together (its
+    decisions are agreed, so the flags are equal; the all-reduce keeps collectives matched). Bounded."""
+    if loop is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(limit):
+        flag = torch.tensor([0.0 if loop.state == "settled" else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        call(name)
 
 
 def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -181,6 +199,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         started = time.perf_counter()
         for _ in range(cfg["warmup"]):
             call(name)
+        _settle_closed_loop(call, name, getattr(runners[name], "closed_loop", None))
         _settle(name, call, getattr(runners[name], "plan", None))
         warmup_s[name] = time.perf_counter() - started
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import dataclasses
+
 from deft_compile.planner.plan import Plan, Profile
+from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL, simulate
 from deft_compile.planner.solvers.bytescheduler import solve_bytescheduler
 from deft_compile.planner.solvers.deft import solve_deft
 from deft_compile.planner.solvers.dlcp import solve_dlcp
@@ -32,12 +35,23 @@ SCHEDULING_POLICIES: tuple[str, ...] = ("wfbp", "bytescheduler", "usbyte", "deft
 
 
 def solve(profile: Profile, policy: str, **options: Any) -> Plan:
-    """Plan for ``policy`` on ``profile``; options go to that policy's solver."""
+    """Plan for ``policy`` on ``profile``; options go to that policy's solver.
+
+    ``update_waits_for_all=True`` (set by the step for global-norm clipping and loss scaling) is for
+    every policy: the plan records it and its prediction lets no update start before every gradient
+    it applies arrived. The knapsacks need no change: a delayed bucket they place is hidden before
+    the next update anyway, so the extra wait only shows where communication is exposed.
+    """
     try:
         solver = SOLVERS[policy]
     except KeyError:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}") from None
-    return solver(profile, **options)
+    waits_for_all = bool(options.pop(UPDATE_WAITS_FOR_ALL, False))
+    plan = solver(profile, **options)
+    if waits_for_all:
+        plan = dataclasses.replace(plan, options={**plan.options, UPDATE_WAITS_FOR_ALL: True})
+        plan.predicted_iteration_ms = simulate(profile, plan, record=False, check=False).iteration_ms
+    return plan
 
 
 __all__ = ["POLICIES", "SCHEDULING_POLICIES", "SOLVERS", "dssync_partition", "knapsack_01", "knapsack_time", "solve", "solve_bytescheduler",
