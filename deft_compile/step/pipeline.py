@@ -82,7 +82,8 @@ def build_passes(
 ) -> list[tuple[str, Pass]]:
     """The ordered passes; no collectives when ``group`` is None or has one rank (one process).
 
-    ``items`` on a one-process group (``LOCAL_GROUP``) still go through ``schedule``,
+    ``items`` on a one-process group (``LOCAL_GROUP``, or a one-rank group such as DS-Sync's
+    solo groups) with an update period (gradient accumulation) still go through ``schedule``,
     which accumulates gradients across calls, and then lose their collectives.
     ``guards`` (clipping, loss scaling's skip) act on the gradients each update applies.
     """
@@ -98,9 +99,10 @@ def build_passes(
                 ("broadcast_buffers", functools.partial(insert_buffer_broadcast, buffer_positions=positions, group_name=group.name))
             )
         passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
-    elif items:
+    elif any(item.period > 1 for item in items):  # one process, accumulating: sum across calls, no collectives
+        local = frozenset(item.group_name for item in items if item.world_size == 1)
         passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
-        passes.append(("elide_local_collectives", elide_local_collectives))
+        passes.append(("elide_local_collectives", functools.partial(elide_local_collectives, group_names=local)))
     passes.append(("strip_markers", strip_markers))
     if guards is not None and guards.active:
         passes.append(("gradient_guards", functools.partial(guard_gradients, options=guards)))
