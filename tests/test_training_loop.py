@@ -17,7 +17,7 @@ from deft_compile import DeftConfig, deft_compile
 from deft_compile.errors import LossError
 from deft_compile.tools.launcher import run_local_workers
 from loop_workers import accumulation_with_ddp, clip_with_ddp, delayed_reference_run, loss_scaling_with_ddp
-from workers import check_entry
+from workers import check_entry, compare_policy_with_ddp
 
 
 def _mlp() -> nn.Module:
@@ -233,6 +233,18 @@ def test_clipping_equals_ddp_then_clip_grad_norm(case: str, exact: bool) -> None
             check_entry(entry, exact, f"{case} rank {rank} step {entry['step']}")
             assert entry["norm"] > 0.05, "the test must actually clip"
             assert entry["deft_norm"] == pytest.approx(entry["norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["bytescheduler", "usbyte"])
+def test_clipping_under_per_layer_policies_equals_ddp(policy: str) -> None:
+    """Updates deferred to the next forward clip what they apply: still DDP + clip_grad_norm_'s numbers."""
+    results = run_local_workers(compare_policy_with_ddp, 2, ("mlp_dropout_sgd", 5, policy, 0.05), timeout_s=240)
+    for rank, result in enumerate(results):
+        report = result.value
+        assert any(entry["deferred"] for entry in report["steps"]), "the plan must defer updates"
+        for entry in report["steps"]:
+            check_entry(entry, True, f"{policy} rank {rank} step {entry['step']}")
+        check_entry(report["final"], True, f"{policy} rank {rank} after flush")
 
 
 def test_clipping_with_delayed_buckets_matches_the_delayed_reference() -> None:

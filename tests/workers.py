@@ -234,9 +234,11 @@ def _graph_collectives(step) -> list[str]:
     return [name.rstrip("_") for name in re.findall(r"_c10d_functional\.(all_reduce_?|wait_tensor|broadcast_?)\.default\(", code)]
 
 
-def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str) -> dict:
+def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
+                            max_grad_norm: float | None = None) -> dict:
     """A timing-only policy must give DDP's numbers. Parameters whose update the plan defers to
-    the next step's forward are compared with DDP's previous step; after ``flush`` all with DDP's last."""
+    the next step's forward are compared with DDP's previous step; after ``flush`` all with DDP's last.
+    With ``max_grad_norm`` both clip (DDP with ``clip_grad_norm_`` before ``optimizer.step()``)."""
     make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
@@ -244,13 +246,15 @@ def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, p
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     solver_policy = "deft" if policy == "deft-sync" else policy
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=solver_policy, profile=profile,
-                        config=DeftConfig(plan_options=POLICY_OPTIONS[policy]))
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[policy], max_grad_norm=max_grad_norm))
     report = []
     for t, (inputs, targets) in enumerate(batches):
         before = _snapshot(ddp_model, ddp_optimizer)
         torch.manual_seed(100 * rank + t)
         ddp_optimizer.zero_grad(set_to_none=True)
         loss_fn(ddp(inputs), targets).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_grad_norm)
         ddp_optimizer.step()
         after = _named_state(ddp_model, ddp_optimizer)
         torch.manual_seed(100 * rank + t)
