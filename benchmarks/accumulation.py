@@ -40,7 +40,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     base = preset.build()
     batch = cfg["batch"] or preset.default_batch
-    pool = [preset.batch(batch, torch.Generator().manual_seed(1000 * (rank + 1) + i)) for i in range(4)]
+    pool = [preset.batch(batch, torch.Generator().manual_seed(1000 * (rank + 1) + i)) for i in range(4)]  # (args, kwargs)
     steps = cfg["accumulation"]
     solo = [dist.new_group([r]) for r in range(world_size)][rank]
     runners = {}
@@ -52,9 +52,9 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
             def update(ddp=ddp, optimizer=optimizer) -> None:
                 for i in range(steps):
-                    inputs, targets = pool[i % len(pool)]
+                    (inputs, targets), kwargs = pool[i % len(pool)]
                     with contextlib.nullcontext() if i == steps - 1 else ddp.no_sync():
-                        (preset.loss_fn(ddp(inputs), targets) / steps).backward()
+                        (preset.loss_fn(ddp(inputs, **kwargs), targets) / steps).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         else:
@@ -64,7 +64,8 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
             def update(step=step) -> None:
                 for i in range(steps):
-                    step(*pool[i % len(pool)])
+                    args, kwargs = pool[i % len(pool)]
+                    step(*args, **kwargs)
         runners[name] = update
     for name in VARIANTS:  # warm-up: traces, profiles, deft's closed loop is off under accumulation
         for _ in range(cfg["warmup"]):
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--block", type=int, default=2, help="timed updates per variant and round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed updates per variant")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed updates per variant (deft traces about 2N graphs)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 

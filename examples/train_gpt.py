@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import sysconfig
 import time
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.tools.corpus import load_stdlib_corpus as load_corpus
 from deft_compile.tools.corpus import random_windows as batch
+from deft_compile.tools.launcher import init_from_torchrun
 from deft_compile.tools.presets import GPT2Style
 
 
@@ -87,24 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
 
     # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; without them we train alone.
-    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if distributed:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-
-    def log(message: str) -> None:
-        if rank == 0:
-            print(message, flush=True)
+    worker = init_from_torchrun()
+    distributed, device, rank, world, log = worker.distributed, worker.device, worker.rank, worker.world_size, worker.log
 
     corpus = load_corpus(args.max_bytes)
     split = int(0.9 * corpus.numel())

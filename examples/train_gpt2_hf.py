@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.tools.corpus import load_stdlib_corpus, random_windows
+from deft_compile.tools.launcher import init_from_torchrun
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -92,20 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
 
-    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    if distributed:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
-
-    def log(message: str) -> None:
-        if rank == 0:
-            print(message, flush=True)
+    worker = init_from_torchrun()
+    distributed, device, rank, log = worker.distributed, worker.device, worker.rank, worker.log
 
     corpus = load_stdlib_corpus(args.max_bytes)
     split = int(0.9 * corpus.numel())

@@ -187,3 +187,40 @@ def _worker_main(
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - the group may be broken after a peer failure
                 pass
+
+
+@dataclass(frozen=True)
+class TorchrunWorker:
+    """This process's place in a ``torchrun`` job (or a lone process): what a training script needs first."""
+
+    distributed: bool
+    device: torch.device
+    rank: int
+    world_size: int
+
+    def log(self, message: str) -> None:
+        """Print on rank 0 only."""
+        if self.rank == 0:
+            print(message, flush=True)
+
+
+def init_from_torchrun() -> TorchrunWorker:
+    """Read torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and set up.
+
+    With ``WORLD_SIZE > 1`` it initialises the default process group: NCCL with one GPU per local rank
+    when CUDA is available, else gloo with ``cpu_count // LOCAL_WORLD_SIZE`` intra-op threads per
+    process. Without torchrun the process trains alone (no process group).
+    """
+    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return TorchrunWorker(distributed=distributed, device=device,
+                          rank=dist.get_rank() if distributed else 0,
+                          world_size=dist.get_world_size() if distributed else 1)
