@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from deft_compile.tools.bench import network
+    from deft_compile.tools.bench import network, sigterm_as_interrupt
     from deft_compile.tools.launcher import run_local_workers
 
     cfg = {"model": args.model, "batch": args.batch, "accumulation": args.accumulation, "rounds": args.rounds,
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     launches = []
     bandwidth = None if args.bandwidth == "none" else args.bandwidth
     for launch in range(args.launches):
-        with network(bandwidth, 1, 2, prefix="deftacc") as net:
+        with sigterm_as_interrupt(), network(bandwidth, 1, 2, prefix="deftacc") as net:  # namespaces go on SIGTERM
             results = run_local_workers(worker, 2, (cfg,), timeout_s=1800, **net["launch"])
         medians = results[0].value
         launches.append(medians)
