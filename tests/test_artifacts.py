@@ -162,6 +162,45 @@ def test_measured_timeline_shows_gloo_collectives(tmp_path):
         assert rows[0] == "compute" and len(rows) >= 2 and all(bars[row] > 0 for row in rows)
 
 
+def _recorder_worker(rank: int, world_size: int, out: str) -> dict:
+    """The step recorder around two wfbp steps of a model with BatchNorm buffers (all-reduces and a broadcast)."""
+    import torch
+
+    from deft_compile import DeftConfig, deft_compile
+    from deft_compile.debug.artifacts import MeasuredTimelineRecorder, trace_event_counts
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = deft_compile(model, optimizer, torch.nn.functional.cross_entropy, policy="wfbp",
+                        config=DeftConfig(first_bucket_mb=0.005, bucket_cap_mb=0.01))
+    inputs, targets = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    step(inputs, targets)
+    step(inputs, targets)
+    recorder = MeasuredTimelineRecorder(Path(out) / f"rank{rank}.json", steps=2)
+    for _ in range(2):
+        recorder.around(lambda: step(inputs, targets))
+    code = step.graph.graph_module.code
+    return {"counts": trace_event_counts(recorder.path), "all_reduces": code.count("_c10d_functional.all_reduce"),
+            "broadcasts": code.count("_c10d_functional.broadcast"), "waits": code.count("_c10d_functional.wait_tensor")}
+
+
+def test_step_recorder_sees_every_collective(tmp_path):
+    """Every launch, every gloo execution and every wait of the steps recorded is in the timeline."""
+    from deft_compile.tools.launcher import run_local_workers
+
+    for result in run_local_workers(_recorder_worker, 2, (str(tmp_path),), timeout_s=120):
+        report = result.value
+        counts = report["counts"]
+        assert report["all_reduces"] >= 2 and report["broadcasts"] >= 1
+        assert counts.get("c10d::allreduce_", 0) == 2 * report["all_reduces"], counts
+        assert counts.get("gloo:all_reduce", 0) == 2 * report["all_reduces"], counts
+        assert counts.get("c10d::broadcast_", 0) == 2 * report["broadcasts"], counts
+        assert counts.get("_c10d_functional::wait_tensor", 0) == 2 * report["waits"], counts
+        assert counts.get("deft_compile.step 0") == 1 and counts.get("deft_compile.step 1") == 1
+
+
 TRACE_SCRIPT = textwrap.dedent("""
     import torch, torch.fx
     from deft_compile.debug.artifacts import log_graph_pass, record_plan, structured_trace_enabled

@@ -399,9 +399,18 @@ def measured_step_index(default: int = 2) -> int | None:
 
 def trace_event_names(path: str | os.PathLike) -> set[str]:
     """Names of the complete ("X") events in a Chrome trace file (for checks and tests)."""
+    return set(trace_event_counts(path))
+
+
+def trace_event_counts(path: str | os.PathLike) -> dict[str, int]:
+    """How many complete ("X") events of each name a Chrome trace file holds."""
     data = json.loads(Path(path).read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
-    return {ev.get("name", "") for ev in events if ev.get("ph") == "X"}
+    counts: dict[str, int] = {}
+    for ev in events:
+        if ev.get("ph") == "X":
+            counts[ev.get("name", "")] = counts.get(ev.get("name", ""), 0) + 1
+    return counts
 
 
 # --- TORCH_TRACE / tlparse -------------------------------------------------------------------
