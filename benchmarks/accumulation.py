@@ -19,12 +19,13 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import statistics
 import sys
 import time
 from typing import Any
 
-VARIANTS = ("floor", "ddp", "wfbp", "deft")
+VARIANTS = ("floor", "ddp", "wfbp", "deft", "deft-no-preserver")
 
 
 def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -33,6 +34,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.nn as nn
 
     from deft_compile import DeftConfig, deft_compile
+    from deft_compile.preserver import PreserverConfig
     from deft_compile.tools.bench_models import resolve_model
 
     torch.set_num_threads(1)
@@ -44,6 +46,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     steps = cfg["accumulation"]
     solo = [dist.new_group([r]) for r in range(world_size)][rank]
     runners = {}
+    steps_of = {}
     for name in VARIANTS:
         model = copy.deepcopy(base)
         optimizer = preset.optimizer(model)
@@ -58,9 +61,13 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         else:
-            step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp" if name == "floor" else name,
-                                process_group=solo if name == "floor" else None,
-                                config=DeftConfig(accumulation_steps=steps))
+            config = DeftConfig(accumulation_steps=steps)
+            if name == "deft-no-preserver":  # what the Preserver's probes and decisions cost here
+                config = DeftConfig(accumulation_steps=steps, preserver=PreserverConfig(enabled=False))
+            policy = {"floor": "wfbp", "deft-no-preserver": "deft"}.get(name, name)
+            step = deft_compile(model, optimizer, preset.loss_fn, policy=policy,
+                                process_group=solo if name == "floor" else None, config=config)
+            steps_of[name] = step
 
             def update(step=step) -> None:
                 for i in range(steps):
@@ -70,6 +77,18 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for name in VARIANTS:  # warm-up: traces, profiles, deft's closed loop is off under accumulation
         for _ in range(cfg["warmup"]):
             runners[name]()
+        step = steps_of.get(name)
+        if step is not None:  # until a whole plan cycle (lcm of periods, in updates) traces nothing new
+            cycle_calls = math.lcm(*(item.period for item in step.items)) if step.items else steps
+            cycle = max(1, cycle_calls // steps)
+            quiet, extra = 0, 0
+            while quiet < cycle and extra < 4 * cycle + 4:
+                before = step.trace_count
+                runners[name]()
+                extra += 1
+                flag = torch.tensor([float(step.trace_count != before)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                quiet = 0 if flag.item() else quiet + 1
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
     for round_index in range(cfg["rounds"]):
@@ -81,7 +100,11 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 started = time.perf_counter()
                 runners[name]()
                 samples[name].append((time.perf_counter() - started) * 1e3)
-    result = {}
+    deft = steps_of["deft"]
+    result: dict[str, Any] = {"deft_plan": {"delayed_items": sum(1 for i in deft.plan.items if i.delay),
+                                            "max_period": max(i.period for i in deft.plan.items),
+                                            "items": len(deft.plan.items)},
+                              "deft_traces": deft.trace_count, "plan_changes": len(deft.plan_history)}
     for name in names:
         times = torch.tensor(samples[name], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -115,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         medians = results[0].value
         launches.append(medians)
         ratios = {name: medians[name] / medians["ddp"] for name in VARIANTS}
-        print(f"launch {launch + 1}: " + ", ".join(f"{n} {ratios[n]:.2f}" for n in VARIANTS) + " (x DDP per update)",
-              flush=True)
+        print(f"launch {launch + 1}: " + ", ".join(f"{n} {ratios[n]:.2f}" for n in VARIANTS) + " (x DDP per update); "
+              f"deft plan {medians['deft_plan']}, {medians['deft_traces']} graphs traced, "
+              f"{medians['plan_changes']} plan(s)", flush=True)
     summary = {}
     for name in VARIANTS:
         ratios = [launch[name] / launch["ddp"] for launch in launches]

@@ -66,6 +66,10 @@ class PolicyRuntime:
     def check_config(self, policy: str, config: Any) -> None:
         """Raise ``ValueError`` naming the option and the policy for a ``DeftConfig`` this policy cannot honour."""
 
+    def solver_defaults(self, config: Any) -> dict[str, Any]:
+        """Solver options this policy needs for ``config`` unless the user set them in ``plan_options``."""
+        return {}
+
     def step_group(self, step: RunningStep) -> CommGroup | None:
         """The group this step's items communicate over, when it is not the step's own group."""
         return None
@@ -92,6 +96,11 @@ class DeftRuntime(PolicyRuntime):
 
     uses_buckets = True
     watched_by_preserver = True
+
+    def solver_defaults(self, config: Any) -> dict[str, Any]:
+        # Gradient accumulation already communicates once per N micro-batches; an update period on top
+        # would multiply the staleness for communication that is rarely the bottleneck any more.
+        return {"allow_period": False} if config.accumulation_steps > 1 else {}
 
 
 class DLCPRuntime(PolicyRuntime):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -385,7 +386,7 @@ class CompiledStep:
         )
         self._verify_across_ranks(compiled)
         self._graphs[key] = compiled
-        while len(self._graphs) > self.config.max_cached_graphs:
+        while len(self._graphs) > self._graph_cache_size():
             self._graphs.popitem(last=False)
         return compiled
 
@@ -394,6 +395,15 @@ class CompiledStep:
         profile = self.profile
         items = scheduled_items(plan, index, groups or self._groups, profile.params[0].element_bytes if profile else 4)
         return with_accumulation(items, self.config.accumulation_steps)
+
+    def _graph_cache_size(self) -> int:
+        """``DeftConfig.max_cached_graphs``, but never fewer than a plan cycle needs: with update periods and
+        accumulation every call of a cycle has its own phase (its own graph), and a cache smaller than the
+        cycle would retrace on every call."""
+        cycle = 1
+        for item in self._items:
+            cycle = math.lcm(cycle, item.period)
+        return max(self.config.max_cached_graphs, 2 * cycle + 2)
 
     def _plan_local(self, captured: CapturedStep, index: ProfileIndex) -> None:
         """Without a process group only gradient accumulation needs items: DDP's buckets on ``LOCAL_GROUP``,
@@ -477,6 +487,8 @@ class CompiledStep:
         if self.policy_runtime.uses_buckets:
             options.setdefault("first_bucket_bytes", self.config.first_bucket_bytes)
             options.setdefault("bucket_cap_bytes", self.config.bucket_cap_bytes)
+        for key, value in self.policy_runtime.solver_defaults(self.config).items():
+            options.setdefault(key, value)
         return options
 
     # -- running ----------------------------------------------------------------
