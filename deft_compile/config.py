@@ -7,6 +7,7 @@ from typing import Any
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 from deft_compile.preserver import PreserverConfig
+from deft_compile.step.lowering import check_compiler, default_compiler
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class DeftConfig(BucketSizes):
             ``("gloo:eth1",)`` or ``("gloo",)`` under NCCL (see
             ``deft_compile.step.links``). The profiler measures each; DeFT assigns
             buckets or bucket shares to them (a multiple knapsack).
+        compiler: what runs the rewritten step graph: ``"inductor"`` (default;
+            collectives and waits stay where the plan put them, see
+            ``deft_compile.step.lowering``) or ``"aten"`` (the graph's aten ops
+            called from Python; bit-identical to DDP with SGD). The default
+            comes from ``$DEFT_COMPILER`` when set (the test suite sets ``aten``).
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -54,12 +60,14 @@ class DeftConfig(BucketSizes):
     links: tuple[str, ...] = ()
     always_profile: bool = False
     preserver: PreserverConfig = field(default_factory=PreserverConfig)
+    compiler: str = field(default_factory=default_compiler)
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
             raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
         if self.max_cached_graphs < 1:
             raise ValueError("max_cached_graphs must be at least 1")
+        check_compiler(self.compiler, source="DeftConfig.compiler")
         from deft_compile.step.links import parse_link
 
         for spec in self.links:
