@@ -46,8 +46,11 @@ log = logging.getLogger("deft_compile")
 COMPILERS: tuple[str, ...] = ("inductor", "aten")
 ENV_COMPILER = "DEFT_COMPILER"
 
-#: Inductor settings under which the FX order of collectives, waits and compute is kept.
+#: Inductor settings for step graphs: the FX order of collectives, waits and compute is kept, and
+#: random ops (Dropout) call ATen's generator as the aten graph and eager do (Inductor's own RNG would
+#: draw other numbers than DDP).
 PINNED_ORDER_CONFIG: dict[str, Any] = {
+    "fallback_random": True,
     "reorder_for_locality": False,
     "reorder_for_peak_memory": False,
     "reorder_for_compute_comm_overlap": False,
