@@ -140,3 +140,30 @@ def test_generated_code_launches_and_waits_where_the_plan_says(ddp_report):
         assert "kernel" in order[first_launch:first_wait], "backward compute overlaps the first bucket"
         assert last_launch < first_wait, "wfbp: every bucket is launched before the first wait"
         assert "kernel" in order[last_wait:], "the optimizer update runs after the waits"
+
+
+def test_backend_with_inductor_equals_ddp_and_deft_policy_runs():
+    """backend="deft" with compiler="inductor": wfbp equals DDP (SGD 1e-6, AdamW 1e-5 relative);
+    policy="deft" profiles the backward graph, delays the buckets the knapsack picks, replicas stay equal."""
+    from inductor_workers import backend_inductor_vs_ddp
+
+    results = run_local_workers(backend_inductor_vs_ddp, 2, (), timeout_s=500, collective_timeout_s=240)
+    for r in results:
+        report = r.value
+        assert report["sgd"]["max_rel"] <= 1e-6 and report["adamw"]["max_rel"] <= 1e-5, report
+        assert report["sgd"]["buckets"] == [3]
+        assert report["deft"]["replicas_equal"] and report["deft"]["finite"], report
+        assert report["lowered"].get("aten", 0) == 0 and report["lowered"]["inductor"] >= 6, report
+    assert results[0].value["deft"]["buckets"] == results[1].value["deft"]["buckets"]
+
+
+def test_backend_options_policy_and_compiler():
+    from deft_compile.backend.options import parse_options
+
+    assert parse_options({"policy": "deft", "compiler": "aten"}).policy == "deft"
+    with pytest.raises(ValueError, match="option 'policy' must be one of 'wfbp', 'deft'"):
+        parse_options({"policy": "usbyte"})
+    with pytest.raises(ValueError, match="cannot be combined with policy='deft'"):
+        parse_options({"policy": "deft", "delay": True})
+    with pytest.raises(ValueError, match="option 'compiler' must be one of"):
+        parse_options({"compiler": "tvm"})

@@ -27,6 +27,7 @@ process, fast.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import logging
@@ -93,6 +94,8 @@ class LoweredGraph:
 
 
 _warned: set[str] = set()
+#: How many graphs this process lowered, by what ran them ("inductor", "aten" after a fallback).
+lowered_counts: collections.Counter[str] = collections.Counter()
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str) -> LoweredGraph:
@@ -111,8 +114,10 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str) -> L
         if reason not in _warned:
             _warned.add(reason)
             log.warning("Inductor could not compile the step graph; running it as aten (%s)", reason)
+        lowered_counts["aten"] += 1
         return LoweredGraph(run=gm, compiler="aten", fallback_reason=reason,
                             compile_seconds=time.perf_counter() - started)
+    lowered_counts["inductor"] += 1
     return LoweredGraph(run=run, compiler="inductor", compile_seconds=time.perf_counter() - started,
                         source_code=source, cache_hit=hit)
 
@@ -151,12 +156,46 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
         stack.enter_context(V.set_choices_handler(PinnedCollectiveChoices()))
         stack.enter_context(tracing(TracingContext(fake_mode)))
-        fake_inputs = [
-            fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs
-        ]
+        fake_inputs = [_fake_like(fake_mode, x) for x in example_inputs]
         compiled = compile_fx(lowered, fake_inputs, inner_compile=inner_compile)
     # compile_fx returns Dynamo's backend convention: called with the inputs as positional arguments
     return compiled, "\n".join(sources), (all(hits) if hits else None)
+
+
+def _fake_like(fake_mode: Any, x: Any) -> Any:
+    """A static-shape fake tensor of ``fake_mode`` like ``x`` (real, or fake from another mode)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(x, torch.Tensor):
+        return x
+    if any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride())):
+        raise ValueError("the graph has dynamic shapes; deft_compile lowers static-shape graphs only")
+    if isinstance(x, FakeTensor):
+        with fake_mode:
+            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
+    return fake_mode.from_tensor(x, static_shapes=True)
+
+
+class LazyLowered:
+    """Lowers ``gm`` with ``compiler`` on its first call (real inputs) and runs the result from then on.
+
+    For graphs whose example inputs are not at hand when they are built (the
+    ``deft`` backend's backward graphs with extra pending-bucket inputs).
+    """
+
+    def __init__(self, gm: fx.GraphModule, compiler: str, label: str) -> None:
+        self.gm = gm
+        self.compiler = compiler
+        self.label = label
+        self.lowered: LoweredGraph | None = None
+
+    def __call__(self, *inputs: Any) -> Any:
+        if self.lowered is None:
+            self.lowered = lower(self.gm, inputs, self.compiler)
+            if self.lowered.compiler == "inductor":
+                log.info("Inductor compiled %s graph (%d nodes) in %.2f s%s", self.label, len(self.gm.graph.nodes),
+                         self.lowered.compile_seconds, " (FX graph cache hit)" if self.lowered.cache_hit else "")
+        return self.lowered.run(*inputs)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
