@@ -8,6 +8,7 @@ from typing import Any
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 from deft_compile.preserver import PreserverConfig
 from deft_compile.step.closed_loop import ClosedLoopConfig
+from deft_compile.step.lowering import check_compiler, default_compiler
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class DeftConfig(BucketSizes):
             more than a tolerance, try the synchronous and re-solved plans, keep
             the fastest measured. On by default for ``policy="deft"``;
             ``ClosedLoopConfig(enabled=False)`` turns it off.
+        compiler: what runs the rewritten step graph: ``"inductor"`` (default;
+            collectives and waits stay where the plan put them, see
+            ``deft_compile.step.lowering``) or ``"aten"`` (the graph's aten ops
+            called from Python; bit-identical to DDP with SGD). The default
+            comes from ``$DEFT_COMPILER`` when set (the test suite sets ``aten``).
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -80,6 +86,7 @@ class DeftConfig(BucketSizes):
     accumulation_steps: int = 1
     loss_scale: Any = None
     closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
+    compiler: str = field(default_factory=default_compiler)
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
@@ -97,6 +104,7 @@ class DeftConfig(BucketSizes):
                 )
         if self.max_cached_graphs < 1:
             raise ValueError("max_cached_graphs must be at least 1")
+        check_compiler(self.compiler, source="DeftConfig.compiler")
         from deft_compile.step.links import parse_link
 
         for spec in self.links:

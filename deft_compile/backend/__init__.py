@@ -21,6 +21,7 @@ pending gradients.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -42,13 +43,18 @@ from deft_compile.backend.passes import (
     insert_gradient_allreduce,
     plan_buckets,
 )
+from deft_compile.backend.planning import ForwardTimer, PlannedBackward
 from deft_compile.backend.runtime import DelayedBackward
 from deft_compile.backend.state import DelayedStateError, flush, reset as _reset_state, state_for
 from deft_compile.step.distributed import broadcast_from_rank0, resolve_group
 from deft_compile.errors import DeftError
+from deft_compile.step.lowering import LazyLowered, lower
 from deft_compile.step.pipeline import CommGroup
 
 __all__ = ["deft_backend", "flush", "reset", "DelayedStateError", "BackendGraphError", "CompiledBackward", "compiled_backwards"]
+
+
+log = logging.getLogger("deft_compile")
 
 
 class BackendGraphError(DeftError):
@@ -95,13 +101,28 @@ def deft_backend(
     del full_args  # the backward compiler may run lazily: keep parameters, not the example batch
     if process_group is not None and opts.broadcast_parameters:
         _broadcast_once(list(params.values()), process_group)
+    forwards: list[ForwardTimer] = []
+
+    def fw_compiler(fw: fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable[..., Any]:
+        forward = ForwardTimer(_lowered(fw, fw_inputs, opts.compiler, "forward"))
+        forwards.append(forward)
+        return forward
+
+    def plain_bw_compiler(bw: fx.GraphModule, bw_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return _lowered(bw, bw_inputs, opts.compiler, "backward")
+
+    planned = opts.policy == "deft" and group is not None
     if not params or (group is None and not any(opts.is_delayed(p) for p in params.values())):
-        return aot_autograd(fw_compiler=_as_is, bw_compiler=_as_is)(gm, example_inputs)
+        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=plain_bw_compiler)(gm, example_inputs)
 
     def bw_compiler(bw: fx.GraphModule, _bw_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if planned:
+            forward = forwards[-1] if forwards else None
+            return PlannedBackward(bw, params, opts, process_group, forward,
+                                   lambda chosen: compile_backward(bw, num_inputs, params, chosen, group))
         return compile_backward(bw, num_inputs, params, opts, group)
 
-    return aot_autograd(fw_compiler=_as_is, bw_compiler=bw_compiler)(gm, example_inputs)
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
 
 
 def compile_backward(
@@ -139,14 +160,15 @@ def compile_backward(
     if not delayed:
         steady = insert_gradient_allreduce(bw, buckets=buckets, group_name=group_name, world_size=world_size, first_step=False)
         _compiled.append(CompiledBackward(buckets, steady))
-        return make_boxed_func(steady.forward)
+        return make_boxed_func(LazyLowered(steady, opts.compiler, "backward"))
     state = state_for([[params[p] for p in b.positions] for b in delayed], collective=group is not None)
     first = insert_gradient_allreduce(
         clone_graph_module(bw), buckets=buckets, group_name=group_name, world_size=world_size, first_step=True
     )
     steady = insert_gradient_allreduce(bw, buckets=buckets, group_name=group_name, world_size=world_size, first_step=False)
     _compiled.append(CompiledBackward(buckets, steady))
-    return DelayedBackward(first, steady, len(outputs), state)
+    return DelayedBackward(LazyLowered(first, opts.compiler, "first backward"),
+                           LazyLowered(steady, opts.compiler, "backward"), len(outputs), state)
 
 
 def compiled_backwards() -> list[CompiledBackward]:
@@ -162,8 +184,14 @@ def reset() -> None:
     _compiled.clear()
 
 
-def _as_is(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
-    return make_boxed_func(gm.forward)
+def _lowered(gm: fx.GraphModule, inputs: Sequence[Any], compiler: str, label: str) -> Callable[..., Any]:
+    """A boxed callable running ``gm`` lowered with ``compiler`` (Inductor: compiled now, from the fake inputs)."""
+    if compiler == "aten":
+        return make_boxed_func(gm.forward)
+    lowered = lower(gm, inputs, compiler)
+    if lowered.compiler == "inductor":
+        log.info("Inductor compiled %s graph (%d nodes) in %.2f s", label, len(gm.graph.nodes), lowered.compile_seconds)
+    return make_boxed_func(lowered.run)
 
 
 def _broadcast_once(params: Sequence[nn.Parameter], process_group: dist.ProcessGroup) -> None:

@@ -17,7 +17,8 @@ import torch.nn as nn
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 
-KNOWN_OPTIONS = ("bucket_cap_mb", "first_bucket_mb", "delay", "process_group", "broadcast_parameters")
+KNOWN_OPTIONS = ("bucket_cap_mb", "first_bucket_mb", "delay", "process_group", "broadcast_parameters", "policy", "compiler")
+BACKEND_POLICIES = ("wfbp", "deft")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class BackendOptions(BucketSizes):
             when ``torch.distributed`` is initialised.
         broadcast_parameters: broadcast rank 0's parameters the first time a
             graph that uses them is compiled, as DDP's constructor does.
+        policy: ``"wfbp"`` (DDP's schedule; delays only where ``delay`` says)
+            or ``"deft"`` (each backward graph is profiled at its first call
+            and DeFT's knapsack picks the delayed buckets).
+        compiler: ``"inductor"`` (forward and backward graphs lowered by
+            Inductor, collectives in place) or ``"aten"``; default
+            ``$DEFT_COMPILER`` or ``"inductor"``.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -44,6 +51,8 @@ class BackendOptions(BucketSizes):
     delayed_params: tuple[nn.Parameter, ...] = field(default=(), compare=False, repr=False)
     process_group: dist.ProcessGroup | None = None
     broadcast_parameters: bool = True
+    policy: str = "wfbp"
+    compiler: str = "inductor"
 
     def is_delayed(self, param: torch.Tensor) -> bool:
         return self.delay_all or id(param) in self.delayed_ids
@@ -84,6 +93,17 @@ def parse_options(options: Mapping[str, Any] | None) -> BackendOptions:
     if not isinstance(broadcast, bool):
         raise ValueError(f"option 'broadcast_parameters' must be a bool, got {broadcast!r}")
     kwargs["broadcast_parameters"] = broadcast
+    policy = options.get("policy", "wfbp")
+    if policy not in BACKEND_POLICIES:
+        raise ValueError(f"option 'policy' must be one of {', '.join(map(repr, BACKEND_POLICIES))}, got {policy!r}")
+    if policy == "deft" and "delay" in options:
+        raise ValueError("option 'delay' cannot be combined with policy='deft': the knapsack chooses the delays")
+    kwargs["policy"] = policy
+    from deft_compile.step.lowering import check_compiler, default_compiler
+
+    compiler = options.get("compiler", None) or default_compiler()
+    check_compiler(compiler, source="option 'compiler'")
+    kwargs["compiler"] = compiler
     return BackendOptions(**kwargs)
 
 

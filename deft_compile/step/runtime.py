@@ -40,6 +40,7 @@ from deft_compile.errors import DeftError
 from deft_compile.step.optim_support import check_optimizer, hyperparameter_key, lr_inputs
 from deft_compile.passes.schedule import ItemPhase, ScheduledItem, accumulator_key, pending_key
 from deft_compile.step.links import open_link
+from deft_compile.step.lowering import StepLowering
 from deft_compile.step.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
 from deft_compile.planner.plan import LinkCost, Plan, Profile
 from deft_compile.preserver import Preserver
@@ -118,6 +119,7 @@ class CompiledStep:
         # communicates), so it stays off there (docs/API.md).
         closed_loop = config.closed_loop.active_for(policy, profile is not None) and config.accumulation_steps == 1
         self.closed_loop = ClosedLoop(config.closed_loop) if closed_loop else None
+        self.lowering = StepLowering(config.compiler)  # Inductor or aten (deft_compile/step/lowering.py)
         if self._process_group is not None:
             if config.check_consistency:
                 self._check_model_across_ranks()
@@ -157,6 +159,11 @@ class CompiledStep:
     def last_stats(self) -> dict[str, list[float]]:
         """Per-step statistics of the policy (DLCP: per item ``[chunks sent, dropped mass fraction]``)."""
         return self.policy_runtime.last_stats
+
+    @property
+    def compiler(self) -> str | None:
+        """What ran the most recent step graph: ``"inductor"`` or ``"aten"`` (None before the first step)."""
+        return self.lowering.last.compiler if self.lowering.last is not None else None
 
     @property
     def graph(self) -> CompiledGraph | None:
@@ -509,7 +516,7 @@ class CompiledStep:
             p.grad = None
         try:
             with torch.no_grad():
-                outputs = compiled.graph_module(*inputs)
+                outputs = self.lowering.run(compiled.graph_module, inputs, flush=compiled.flush)
         except Exception as exc:
             if self._process_group is not None and _looks_like_collective_failure(exc):
                 raise diagnose_peer_failure(

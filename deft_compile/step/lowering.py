@@ -1,0 +1,342 @@
+"""Lower a rewritten step graph with Inductor, keeping the planned collective placement.
+
+Why a module of its own: the passes decide *where* each all-reduce starts and
+where it is waited; Inductor decides how the compute between them runs. Three
+things make the two compatible:
+
+* ``.item()`` reads (the learning rate) are rewritten into 0-dim tensor
+  arithmetic first (:func:`deft_compile.passes.scalars.tensorize_item_reads`):
+  Inductor cannot trace ``aten._local_scalar_dense``. The rate stays an input,
+  so an LR scheduler still reuses one compiled graph.
+* Inductor's reordering passes are off (``reorder_for_locality``,
+  ``reorder_for_peak_memory``, ``reorder_for_compute_comm_overlap``), and
+  :class:`PinnedCollectiveChoices` refuses any fusion whose kernel would span a
+  collective or a wait: a fused kernel runs at the position of its first node,
+  so fusing across a wait would move compute over it. Together, every compute
+  kernel runs between the same collectives as in the FX graph.
+* The graph is compiled under ``no_grad`` as an inference graph:
+  AOTAutograd functionalises it and writes parameter, buffer and optimizer-state
+  mutations back into the inputs (``keep_inference_input_mutations``), so they
+  stay in place as on the aten path.
+
+If Inductor fails, :func:`lower` logs the reason once and returns the aten
+graph; ``LoweredGraph.compiler`` says which ran. Inductor's FX graph cache
+(on by default) makes a second compile of the same graph, in this or another
+process, fast.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from deft_compile.passes.scalars import tensorize_item_reads
+
+log = logging.getLogger("deft_compile")
+
+COMPILERS: tuple[str, ...] = ("inductor", "aten")
+ENV_COMPILER = "DEFT_COMPILER"
+
+#: Inductor settings for step graphs: the FX order of collectives, waits and compute is kept, and
+#: random ops (Dropout) call ATen's generator as the aten graph and eager do (Inductor's own RNG would
+#: draw other numbers than DDP).
+PINNED_ORDER_CONFIG: dict[str, Any] = {
+    "fallback_random": True,
+    "reorder_for_locality": False,
+    "reorder_for_peak_memory": False,
+    "reorder_for_compute_comm_overlap": False,
+    "fx_graph_cache": True,
+}
+
+
+def default_compiler() -> str:
+    """``$DEFT_COMPILER`` if set (the test suite sets ``aten``), else ``"inductor"``."""
+    value = os.environ.get(ENV_COMPILER, "inductor")
+    check_compiler(value, source=f"${ENV_COMPILER}")
+    return value
+
+
+def check_compiler(value: Any, source: str = "compiler") -> None:
+    if value not in COMPILERS:
+        raise ValueError(f"{source} must be one of {', '.join(map(repr, COMPILERS))}; got {value!r}")
+
+
+@dataclass
+class LoweredGraph:
+    """What runs for one step graph.
+
+    Attributes:
+        run: called with the graph's inputs, returns its outputs (a sequence).
+        compiler: ``"inductor"`` or ``"aten"`` (what actually runs).
+        compile_seconds: time spent in Inductor (0 for aten).
+        source_code: Inductor's generated Python wrapper (kernel calls and
+            collectives in execution order), empty for aten.
+        fallback_reason: why Inductor was asked but aten runs, else None.
+    """
+
+    run: Callable[..., Sequence[Any]]
+    compiler: str
+    compile_seconds: float = 0.0
+    source_code: str = ""
+    fallback_reason: str | None = None
+    cache_hit: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_warned: set[str] = set()
+#: How many graphs this process lowered, by what ran them ("inductor", "aten" after a fallback).
+lowered_counts: collections.Counter[str] = collections.Counter()
+
+
+def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str) -> LoweredGraph:
+    """Lower ``gm`` (run with ``example_inputs``) with ``compiler``; fall back to aten if Inductor fails.
+
+    ``gm`` itself is not changed (Inductor gets a copy with tensorized scalars).
+    """
+    check_compiler(compiler)
+    if compiler == "aten":
+        return LoweredGraph(run=gm, compiler="aten")
+    started = time.perf_counter()
+    try:
+        run, source, hit = compile_with_inductor(gm, example_inputs)
+    except Exception as exc:  # noqa: BLE001 - any Inductor failure falls back to the exact aten graph
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        if reason not in _warned:
+            _warned.add(reason)
+            log.warning("Inductor could not compile the step graph; running it as aten (%s)", reason)
+        lowered_counts["aten"] += 1
+        return LoweredGraph(run=gm, compiler="aten", fallback_reason=reason,
+                            compile_seconds=time.perf_counter() - started)
+    lowered_counts["inductor"] += 1
+    return LoweredGraph(run=run, compiler="inductor", compile_seconds=time.perf_counter() - started,
+                        source_code=source, cache_hit=hit)
+
+
+def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable[..., Any], str, bool | None]:
+    """``(callable, generated wrapper code, FX-graph-cache hit)`` for a copy of ``gm`` compiled by Inductor."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._functorch import config as functorch_config
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    lowered = tensorize_item_reads(_copy(gm))
+    sources: list[str] = []
+    hits: list[bool] = []
+
+    def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        before = _cache_hits()
+        compiled = compile_fx_inner(graph, inputs, **kwargs)
+        hits.append(_cache_hits() > before)
+        source = getattr(compiled, "source_code", None)
+        if source:
+            sources.append(source)
+        return compiled
+
+    # A tracing context with a shape environment, as Dynamo gives its backends: without one Inductor's
+    # FX graph cache and AOTAutograd's cache bypass the graph ("No shape env").
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(inductor_config.patch(PINNED_ORDER_CONFIG))
+        # AOTAutograd's own cache would skip inner_compile on a hit, and with it the generated code we keep
+        # (for explain and the placement checks); Inductor's FX graph cache below it still makes hits fast.
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+        stack.enter_context(V.set_choices_handler(PinnedCollectiveChoices()))
+        stack.enter_context(tracing(TracingContext(fake_mode)))
+        fake_inputs = [_fake_like(fake_mode, x) for x in example_inputs]
+        compiled = compile_fx(lowered, fake_inputs, inner_compile=inner_compile)
+    # compile_fx returns Dynamo's backend convention: called with the inputs as positional arguments
+    return compiled, "\n".join(sources), (all(hits) if hits else None)
+
+
+def _fake_like(fake_mode: Any, x: Any) -> Any:
+    """A static-shape fake tensor of ``fake_mode`` like ``x`` (real, or fake from another mode)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(x, torch.Tensor):
+        return x
+    if any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride())):
+        raise ValueError("the graph has dynamic shapes; deft_compile lowers static-shape graphs only")
+    if isinstance(x, FakeTensor):
+        with fake_mode:
+            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
+    return fake_mode.from_tensor(x, static_shapes=True)
+
+
+class LazyLowered:
+    """Lowers ``gm`` with ``compiler`` on its first call (real inputs) and runs the result from then on.
+
+    For graphs whose example inputs are not at hand when they are built (the
+    ``deft`` backend's backward graphs with extra pending-bucket inputs).
+    """
+
+    def __init__(self, gm: fx.GraphModule, compiler: str, label: str) -> None:
+        self.gm = gm
+        self.compiler = compiler
+        self.label = label
+        self.lowered: LoweredGraph | None = None
+
+    def __call__(self, *inputs: Any) -> Any:
+        if self.lowered is None:
+            self.lowered = lower(self.gm, inputs, self.compiler)
+            if self.lowered.compiler == "inductor":
+                log.info("Inductor compiled %s graph (%d nodes) in %.2f s%s", self.label, len(self.gm.graph.nodes),
+                         self.lowered.compile_seconds, " (FX graph cache hit)" if self.lowered.cache_hit else "")
+        return self.lowered.run(*inputs)
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = copy.deepcopy(gm.graph)
+    copied = fx.GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    return copied
+
+
+def _cache_hits() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_hit"])
+
+
+# -- keeping the order ---------------------------------------------------------------------------------
+
+
+def _is_collective(snode: Any) -> bool:
+    from torch._inductor import ir
+
+    node = getattr(snode, "node", None)
+    return isinstance(node, (ir._CollectiveKernel, ir._WaitKernel))
+
+
+def _choices_base() -> type:
+    from torch._inductor.choices import InductorChoices
+
+    return InductorChoices
+
+
+class PinnedCollectiveChoices(_choices_base()):  # type: ignore[misc]
+    """Inductor's default heuristics, except that no fused kernel spans a collective or a wait.
+
+    Scheduler nodes are numbered in FX order (``min_order``/``max_order``); a
+    fusion of two nodes covers the range between their extremes. If a
+    collective launch or a wait lies strictly inside that range, the fusion
+    would run compute on the wrong side of it, so it is refused.
+    """
+
+    _boundaries: "weakref.WeakKeyDictionary[Any, list[int]]"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._boundaries = weakref.WeakKeyDictionary()
+
+    def _orders(self, scheduler: Any) -> list[int]:
+        orders = self._boundaries.get(scheduler)
+        if orders is None:
+            orders = sorted(n.min_order for n in scheduler.nodes if _is_collective(n))
+            self._boundaries[scheduler] = orders
+        return orders
+
+    def can_fuse(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+        low = min(node1.min_order, node2.min_order)
+        high = max(node1.max_order, node2.max_order)
+        if any(low < b < high for b in self._orders(scheduler)):
+            return False
+        return super().can_fuse(scheduler, node1, node2, shared_data_score)
+
+
+def collective_order(source_code: str) -> list[str]:
+    """The generated wrapper's calls, in order, as ``"all_reduce"``, ``"wait"``, ``"broadcast"`` or ``"kernel"``.
+
+    For tests and ``deft-compile explain``: shows where Inductor launches and
+    waits each collective relative to its compute kernels.
+    """
+    events: list[str] = []
+    in_call = False
+    for raw in source_code.splitlines():
+        line = raw.strip()
+        if line.startswith("#"):
+            continue
+        if line.startswith("def call(") or line.startswith("def _call("):
+            in_call = True
+            continue
+        if not in_call:
+            continue
+        if raw and not raw.startswith((" ", "\t")):
+            in_call = False
+            continue
+        if "_c10d_functional.all_reduce" in line:
+            events.append("all_reduce")
+        elif "_c10d_functional.broadcast" in line:
+            events.append("broadcast")
+        elif "_c10d_functional.wait_tensor" in line:
+            events.append("wait")
+        elif line.startswith(("cpp_fused", "triton_", "extern_kernels.", "aten.", "torch.ops.aten.")) or (
+            "(" in line and line.split("(")[0].startswith("cpp_")
+        ):
+            events.append("kernel")
+    return events
+
+
+# -- the compiled step's use ---------------------------------------------------------------------------
+
+
+class StepLowering:
+    """Runs the step graphs of one ``CompiledStep`` with the configured compiler.
+
+    A graph is lowered the second time it runs: the first call of a graph
+    (the first step, which creates optimizer state; a ``flush``) usually runs
+    once, and compiling it would cost seconds for nothing. Flush graphs always
+    run as aten. Lowered graphs are kept as long as their graph module lives
+    (the step's graph cache decides that).
+    """
+
+    def __init__(self, compiler: str) -> None:
+        check_compiler(compiler)
+        self.compiler = compiler
+        self._lowered: "weakref.WeakKeyDictionary[fx.GraphModule, LoweredGraph]" = weakref.WeakKeyDictionary()
+        self._seen: "weakref.WeakKeyDictionary[fx.GraphModule, int]" = weakref.WeakKeyDictionary()
+        self.last: LoweredGraph | None = None  # what ran in the most recent call
+        self.history: list[dict[str, Any]] = []  # one entry per Inductor compile (seconds, cache hit, fallback)
+
+    def run(self, gm: fx.GraphModule, inputs: Sequence[Any], *, flush: bool = False, label: str = "step") -> Sequence[Any]:
+        lowered = self._lowered.get(gm)
+        if lowered is None:
+            calls = self._seen.get(gm, 0)
+            self._seen[gm] = calls + 1
+            if self.compiler == "aten" or flush or calls == 0:
+                self.last = LoweredGraph(run=gm, compiler="aten")
+                return gm(*inputs)
+            lowered = lower(gm, inputs, self.compiler)
+            self._lowered[gm] = lowered
+            self.history.append(
+                {
+                    "graph": label,
+                    "compiler": lowered.compiler,
+                    "seconds": round(lowered.compile_seconds, 3),
+                    "cache_hit": lowered.cache_hit,
+                    "fallback_reason": lowered.fallback_reason,
+                }
+            )
+            if lowered.compiler == "inductor":
+                log.info(
+                    "Inductor compiled %s graph (%d nodes) in %.2f s%s",
+                    label,
+                    len(gm.graph.nodes),
+                    lowered.compile_seconds,
+                    " (FX graph cache hit)" if lowered.cache_hit else "",
+                )
+        self.last = lowered
+        return lowered.run(*inputs)

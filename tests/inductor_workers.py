@@ -1,0 +1,102 @@
+"""Workers of the 2-process Inductor tests (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from deft_compile import DeftConfig, deft_compile
+from workers import _compare, _ddp_pair, _named_state
+
+
+def inductor_vs_ddp(rank: int, world_size: int, case: str, steps: int) -> dict:
+    """Train with torch DDP and with deft_compile(compiler="inductor", policy="wfbp") on the same data;
+    per step the worst relative difference, plus the generated code's collective order and the FX graph's."""
+    from deft_compile.step.lowering import collective_order
+
+    _, make_batch, loss_fn, _, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="wfbp",
+                        config=DeftConfig(first_bucket_mb=0.0002, bucket_cap_mb=0.004, compiler="inductor"))
+    data = torch.Generator().manual_seed(1234 + rank)
+    report, compilers = [], []
+    for t in range(steps):
+        inputs, targets = make_batch(data)
+        torch.manual_seed(100 * rank + t)
+        ddp_optimizer.zero_grad(set_to_none=True)
+        ddp_loss = loss_fn(ddp(inputs), targets)
+        ddp_loss.backward()
+        ddp_optimizer.step()
+        torch.manual_seed(100 * rank + t)
+        deft_loss = step(inputs, targets)
+        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+        entry.update(step=t, loss_diff=abs(ddp_loss.item() - deft_loss.item()))
+        report.append(entry)
+        compilers.append(step.compiler)
+    fx_order = [
+        {"all_reduce": "all_reduce", "wait_tensor": "wait", "broadcast": "broadcast"}[m]
+        for m in re.findall(r"_c10d_functional\.(all_reduce|wait_tensor|broadcast)\.default\(", step.graph.graph_module.code)
+    ]
+    source = step.lowering.last.source_code
+    return {"steps": report, "compilers": compilers, "fx_order": fx_order, "code_order": collective_order(source),
+            "history": step.lowering.history, "buckets": len(step.graph.items)}
+
+
+def backend_inductor_vs_ddp(rank: int, world_size: int) -> dict:
+    """torch.compile(backend="deft") with Inductor: wfbp vs DDP (SGD and AdamW), then policy="deft" runs
+    and keeps the replicas identical."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import deft_compile.backend as backend
+    from backend_workers import MLP, STEPS, TINY_BUCKETS, _batches, _errors, _fresh, _loss
+
+    from deft_compile.step.lowering import lowered_counts
+
+    results: dict = {}
+    optimizers = {
+        "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01),
+        "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+    }
+    for name, make_optimizer in optimizers.items():
+        _fresh()
+        torch.manual_seed(0)
+        base = MLP()
+        ddp_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
+        ddp = DistributedDataParallel(ddp_model)
+        ddp_opt, deft_opt = make_optimizer(ddp_model), make_optimizer(deft_model)
+        compiled = torch.compile(deft_model, backend="deft", options={**TINY_BUCKETS, "compiler": "inductor"})
+        worst = 0.0
+        for x, y in _batches(rank, STEPS):
+            ddp_opt.zero_grad()
+            _loss(ddp(x), y).backward()
+            ddp_opt.step()
+            deft_opt.zero_grad()
+            _loss(compiled(x), y).backward()
+            deft_opt.step()
+            worst = max(worst, _errors(deft_model, ddp_model)[1])
+        results[name] = {"max_rel": worst, "buckets": [len(c.buckets) for c in backend.compiled_backwards()]}
+    _fresh()
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    compiled = torch.compile(model, backend="deft", options={**TINY_BUCKETS, "policy": "deft", "compiler": "inductor"})
+    for x, y in _batches(rank, STEPS):
+        optimizer.zero_grad()
+        _loss(compiled(x), y).backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    backend.flush(model)
+    optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    results["deft"] = {
+        "replicas_equal": all(torch.equal(gathered[0], g) for g in gathered),
+        "buckets": [[b.delayed for b in c.buckets] for c in backend.compiled_backwards()],
+        "finite": bool(torch.isfinite(flat).all()),
+    }
+    results["lowered"] = dict(lowered_counts)
+    return results

@@ -1,0 +1,168 @@
+"""Inductor lowering of the step graph (deft_compile/step/lowering.py).
+
+Kept small: each Inductor compile of a step graph takes seconds on CPU, so the
+rest of the suite runs the graphs as aten (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from deft_compile import DeftConfig, deft_compile
+from deft_compile.passes.scalars import tensorize_item_reads
+from deft_compile.step import lowering
+from deft_compile.step.capture import capture_step
+from deft_compile.tools.launcher import run_local_workers
+from inductor_workers import inductor_vs_ddp
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def test_compiler_option_and_environment(monkeypatch):
+    assert DeftConfig(compiler="aten").compiler == "aten"
+    with pytest.raises(ValueError, match="DeftConfig.compiler must be one of 'inductor', 'aten'; got 'tvm'"):
+        DeftConfig(compiler="tvm")
+    monkeypatch.setenv("DEFT_COMPILER", "inductor")
+    assert DeftConfig().compiler == "inductor"
+    monkeypatch.delenv("DEFT_COMPILER")
+    assert DeftConfig().compiler == "inductor"
+    monkeypatch.setenv("DEFT_COMPILER", "nope")
+    with pytest.raises(ValueError, match=r"\$DEFT_COMPILER must be one of"):
+        DeftConfig()
+
+
+def test_item_reads_become_tensor_arithmetic():
+    """AdamW's lr enters as a 0-dim float64 input read with .item(); after the pass no .item() is left
+    and the graph computes the same update (to float32 round-off: alpha= becomes a separate multiply)."""
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    x, y = _batches(1)[0]
+    captured = capture_step(model, optimizer, F.cross_entropy, (x, y), {}, [])
+    item = torch.ops.aten._local_scalar_dense.default
+    assert any(n.target is item for n in captured.graph_module.graph.nodes)
+    tensorized = tensorize_item_reads(lowering._copy(captured.graph_module))
+    assert not any(n.target is item for n in tensorized.graph.nodes)
+    assert any(n.target is item for n in captured.graph_module.graph.nodes), "the original graph is untouched"
+    results = []
+    for gm in (captured.graph_module, tensorized):
+        params = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            gm(*params, x, y, torch.tensor(0.01, dtype=torch.float64))
+        results.append(params)
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(caplog):
+    """One graph for a whole LR schedule, compiled by Inductor on its second run, same numbers as aten."""
+    models = {c: _mlp() for c in ("aten", "inductor")}
+    steps = {}
+    for compiler, model in models.items():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)
+        steps[compiler] = step = deft_compile(model, optimizer, F.cross_entropy, config=DeftConfig(compiler=compiler))
+        with caplog.at_level(logging.INFO, logger="deft_compile"):
+            for x, y in _batches(4):
+                step(x, y)
+                schedule.step()
+    assert steps["inductor"].compiler == "inductor" and steps["aten"].compiler == "aten"
+    assert steps["inductor"].trace_count == 2  # first step (creates state), steady step: lr changes reuse it
+    assert [h["compiler"] for h in steps["inductor"].lowering.history] == ["inductor"]
+    assert "Inductor compiled step graph" in caplog.text
+    for a, b in zip(models["aten"].parameters(), models["inductor"].parameters()):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-6
+
+
+def test_inductor_failure_falls_back_to_aten_once(monkeypatch, caplog):
+    def broken(gm, inputs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(lowering, "compile_with_inductor", broken)
+    lowering._warned.clear()
+    model = _mlp()
+    step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                        config=DeftConfig(compiler="inductor"))
+    with caplog.at_level(logging.WARNING, logger="deft_compile"):
+        for x, y in _batches(3):
+            step(x, y)
+    assert step.compiler == "aten"
+    assert step.lowering.history[0]["fallback_reason"] == "RuntimeError: no C++ compiler"
+    assert caplog.text.count("Inductor could not compile the step graph") == 1
+
+
+@pytest.fixture(scope="module", params=["mlp_dropout_sgd", "transformer_tied_adamw_groups"])
+def ddp_report(request):
+    results = run_local_workers(inductor_vs_ddp, 2, (request.param, 5), timeout_s=400, collective_timeout_s=240)
+    return request.param, [r.value for r in results]
+
+
+def test_inductor_wfbp_equals_ddp(ddp_report):
+    """SGD (with Dropout: Inductor falls back to ATen's RNG) to 1e-6 relative, AdamW to 1e-5."""
+    case, per_rank = ddp_report
+    tolerance = 1e-6 if case.endswith("sgd") else 1e-5
+    for rank, report in enumerate(per_rank):
+        # SGD with momentum: first-step graph, then the steady graph runs once as aten before it is lowered
+        assert report["compilers"][-2:] == ["inductor"] * 2, report["history"]
+        for entry in report["steps"]:
+            assert entry["missing"] == [] and entry["compared"] > 0
+            assert entry["max_rel"] <= tolerance, f"{case} rank {rank} step {entry['step']} worst {entry['worst']}"
+
+
+def test_generated_code_launches_and_waits_where_the_plan_says(ddp_report):
+    """The generated wrapper calls the collectives in the FX graph's order (one launch per bucket), with
+    backward kernels between the first launch and the first wait (overlap kept) and the optimizer's
+    kernels after the last wait."""
+    case, per_rank = ddp_report
+    for report in per_rank:
+        order = report["code_order"]
+        collectives = [e for e in order if e != "kernel"]
+        assert collectives == report["fx_order"]
+        assert collectives.count("all_reduce") == report["buckets"] >= 2
+        first_launch = order.index("all_reduce")
+        first_wait = order.index("wait", first_launch)  # (a buffer broadcast's wait comes before forward)
+        last_launch = len(order) - 1 - order[::-1].index("all_reduce")
+        last_wait = len(order) - 1 - order[::-1].index("wait")
+        assert "kernel" in order[:first_launch], "forward/backward compute before the first launch"
+        assert "kernel" in order[first_launch:first_wait], "backward compute overlaps the first bucket"
+        assert last_launch < first_wait, "wfbp: every bucket is launched before the first wait"
+        assert "kernel" in order[last_wait:], "the optimizer update runs after the waits"
+
+
+def test_backend_with_inductor_equals_ddp_and_deft_policy_runs():
+    """backend="deft" with compiler="inductor": wfbp equals DDP (SGD 1e-6, AdamW 1e-5 relative);
+    policy="deft" profiles the backward graph, delays the buckets the knapsack picks, replicas stay equal."""
+    from inductor_workers import backend_inductor_vs_ddp
+
+    results = run_local_workers(backend_inductor_vs_ddp, 2, (), timeout_s=500, collective_timeout_s=240)
+    for r in results:
+        report = r.value
+        assert report["sgd"]["max_rel"] <= 1e-6 and report["adamw"]["max_rel"] <= 1e-5, report
+        assert report["sgd"]["buckets"] == [3]
+        assert report["deft"]["replicas_equal"] and report["deft"]["finite"], report
+        assert report["lowered"].get("aten", 0) == 0 and report["lowered"]["inductor"] >= 6, report
+    assert results[0].value["deft"]["buckets"] == results[1].value["deft"]["buckets"]
+
+
+def test_backend_options_policy_and_compiler():
+    from deft_compile.backend.options import parse_options
+
+    assert parse_options({"policy": "deft", "compiler": "aten"}).policy == "deft"
+    with pytest.raises(ValueError, match="option 'policy' must be one of 'wfbp', 'deft'"):
+        parse_options({"policy": "usbyte"})
+    with pytest.raises(ValueError, match="cannot be combined with policy='deft'"):
+        parse_options({"policy": "deft", "delay": True})
+    with pytest.raises(ValueError, match="option 'compiler' must be one of"):
+        parse_options({"compiler": "tvm"})
