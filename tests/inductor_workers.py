@@ -35,7 +35,7 @@ def inductor_vs_ddp(rank: int, world_size: int, case: str, steps: int) -> dict:
         compilers.append(step.compiler)
     fx_order = [
         {"all_reduce": "all_reduce", "wait_tensor": "wait", "broadcast": "broadcast"}[m]
-        for m in re.findall(r"_c10d_functional\.(all_reduce|wait_tensor|broadcast)\.default\(", step.graph.graph_module.code)
+        for m in re.findall(r"_c10d_functional\.(all_reduce|wait_tensor|broadcast)_?\.default\(", step.graph.graph_module.code)
     ]
     source = step.lowering.last.source_code
     return {"steps": report, "compilers": compilers, "fx_order": fx_order, "code_order": collective_order(source),

@@ -143,6 +143,35 @@ def test_autocast_and_loss_scaling_equal_grad_scaler(dtype: torch.dtype) -> None
         assert not any(skipped)
 
 
+def test_loss_scaling_with_accumulation_equals_the_grad_scaler_recipe() -> None:
+    """``scaler.scale(loss / N).backward()`` per micro-batch, one ``unscale_``/clip/``step``/``update`` per cycle:
+    the same skips (fp16 overflows at the same scales), scales and parameters."""
+    eager, compiled = _mlp(), _mlp()
+    eager_opt, compiled_opt = _sgd(eager), _sgd(compiled)
+    eager_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2)
+    compiled_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2)
+    step = deft_compile(compiled, compiled_opt, F.cross_entropy,
+                        config=DeftConfig(loss_scale=compiled_scaler, max_grad_norm=1.0, accumulation_steps=2))
+    skipped = []
+    for t, (x, y) in enumerate(_batches(24)):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(eager(x), y)
+        eager_scaler.scale(loss / 2).backward()
+        if t % 2 == 1:
+            eager_scaler.unscale_(eager_opt)
+            torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+            eager_scaler.step(eager_opt)
+            eager_scaler.update()
+            eager_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            step(x, y)
+        if t % 2 == 1:
+            skipped.append(step.last_update_skipped)
+        assert compiled_scaler.get_scale() == eager_scaler.get_scale(), f"step {t}"
+        assert _worst(eager, compiled) <= 1e-6, f"step {t}"
+    assert any(skipped) and not all(skipped), skipped
+
+
 def test_dynamic_loss_scale_defaults_and_checkpoint() -> None:
     model = _mlp()
     step = deft_compile(model, _sgd(model), F.cross_entropy, config=DeftConfig(loss_scale="dynamic"))

@@ -132,6 +132,7 @@ def capture_step(
     state_inputs: list[StateSlot],
     *,
     scale_loss: bool = False,
+    accumulation_steps: int = 1,
 ) -> CapturedStep:
     """Trace one training step of ``model`` with ``optimizer`` on example inputs.
 
@@ -149,7 +150,10 @@ def capture_step(
     ``1 / scale`` right away (``GradScaler.unscale_``'s arithmetic; exact for the
     power-of-two scales dynamic scaling uses), so communication, delays and the
     update see unscaled gradients. The non-finite check, the skip and the scale
-    update are added by the ``gradient_guards`` pass.
+    update are added by the ``gradient_guards`` pass. With ``accumulation_steps`` N > 1
+    the backward seed is ``(loss / N) * scale``, as in the usual recipe
+    ``scaler.scale(loss / N).backward()``, so fp16 overflows where that recipe does;
+    the unscale multiplies by ``N / scale`` (the schedule pass takes the mean).
     """
     autocast_settings = ambient_autocast()
     model_state = ModelState.of(model)
@@ -199,8 +203,15 @@ def capture_step(
         _check_scalar_loss(loss)
         ops.phase(loss.detach(), "forward")
         with tracker.active("backward"):
-            (loss * scale if scale is not None else loss).backward()
-        inv_scale = scale.double().reciprocal().float() if scale is not None else None
+            if scale is None:
+                loss.backward()
+            else:
+                ((loss / accumulation_steps if accumulation_steps > 1 else loss) * scale).backward()
+        inv_scale = None
+        if scale is not None:
+            inv_scale = scale.double().reciprocal().float()
+            if accumulation_steps > 1:
+                inv_scale = inv_scale * accumulation_steps
         for index, p in enumerate(params):
             if p.grad is not None:
                 p.grad = ops.gradient(p.grad * inv_scale if inv_scale is not None else p.grad, index)

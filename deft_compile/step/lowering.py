@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from deft_compile.passes.functional_collectives import functionalize_bucket_ops
 from deft_compile.passes.scalars import tensorize_item_reads
 
 log = logging.getLogger("deft_compile")
@@ -132,7 +133,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    lowered = tensorize_item_reads(_copy(gm))
+    lowered = functionalize_bucket_ops(tensorize_item_reads(_copy(gm)))
     sources: list[str] = []
     hits: list[bool] = []
 

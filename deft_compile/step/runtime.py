@@ -427,7 +427,7 @@ class CompiledStep:
     def _capture(self, args: tuple, kwargs: dict) -> CapturedStep:
         return capture_step(
             self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots(),
-            scale_loss=self.loss_scaler is not None,
+            scale_loss=self.loss_scaler is not None, accumulation_steps=self.config.accumulation_steps,
         )
 
     def _plan_from(self, args: tuple, kwargs: dict) -> None:

@@ -1,0 +1,78 @@
+"""Give Inductor the functional forms of the in-place bucket ops the ``schedule`` pass emits.
+
+On the aten route a bucket is written once into a kept buffer (``cat.out``), scaled in place
+(``mul_``) and sent in place (``_c10d_functional.all_reduce_``, ``broadcast_``): no fresh
+multi-MB allocation per step (see ``passes/schedule.py``). AOTAutograd's functionalization,
+which Inductor runs first, refuses custom in-place ops whose output aliases an input
+(``all_reduce_``), and a kept buffer would only add copies there. Inductor plans its own
+buffers and lowers the functional collectives in place where it can, so before lowering
+this pass rewrites those ops on intermediate tensors (never on graph inputs: parameter,
+buffer and optimizer-state updates stay in place) into their functional forms, and every
+later reader of the mutated tensor reads the new value instead. Only ops whose mutated
+tensor is an intermediate or a kept buffer (``get_attr``) are rewritten.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+# in-place / out= op -> (functional op, how to build its arguments from the node's args and kwargs)
+_FUNCTIONAL = {
+    c10d.all_reduce_.default: c10d.all_reduce.default,
+    c10d.broadcast_.default: c10d.broadcast.default,
+    aten.mul_.Tensor: aten.mul.Tensor,
+    aten.mul_.Scalar: aten.mul.Scalar,
+}
+
+
+def _mutated(node: fx.Node) -> fx.Node | None:
+    """The tensor an in-place or out= node writes (its ``self`` or ``out``), if it is one we rewrite."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.cat.out:
+        return node.kwargs.get("out")
+    if node.target in _FUNCTIONAL:
+        return node.args[0]
+    return None
+
+
+def functionalize_bucket_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = gm.graph
+    latest: dict[fx.Node, fx.Node] = {}  # a mutated tensor (its first node) -> the node holding its value now
+    identity: dict[fx.Node, fx.Node] = {}  # in-place node -> the tensor it mutated (it returns that tensor)
+
+    def root(node: fx.Node) -> fx.Node:
+        while node in identity:
+            node = identity[node]
+        return node
+
+    def current(node: fx.Node) -> fx.Node:
+        return latest.get(root(node), node)
+
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            continue
+        target = _mutated(node)  # before re-pointing the arguments: the tensor as the graph names it
+        node.args = fx.map_arg(node.args, current)
+        node.kwargs = fx.map_arg(node.kwargs, current)
+        if target is None or root(target).op == "placeholder":
+            continue
+        with graph.inserting_before(node):
+            if node.target is aten.cat.out:
+                replacement = graph.call_function(aten.cat.default, node.args, {k: v for k, v in node.kwargs.items() if k != "out"})
+            else:
+                replacement = graph.call_function(_FUNCTIONAL[node.target], node.args, dict(node.kwargs))
+        replacement.meta.update(node.meta)
+        base = root(target)
+        identity[node] = base
+        latest[base] = replacement
+    for node in reversed(list(graph.nodes)):  # the rewritten in-place nodes have no readers left
+        if node in identity and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
