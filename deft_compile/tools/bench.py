@@ -158,13 +158,15 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         if name == "ddp":
             runners[name] = eager_step(nn.parallel.DistributedDataParallel(model), optimizer, preset.loss_fn)
         elif name == "floor":
-            step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo)
+            step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo,
+                                config=DeftConfig(compiler=cfg.get("compiler", "aten")))
             if step.world_size != 1:
                 raise RuntimeError("the floor must train locally (one-rank group)")
             runners[name] = step
         else:
             links = tuple(cfg["extra_links"]) if name == "deft" else ()
-            step = deft_compile(model, optimizer, preset.loss_fn, policy=name, config=DeftConfig(links=links))
+            step = deft_compile(model, optimizer, preset.loss_fn, policy=name,
+                                config=DeftConfig(links=links, compiler=cfg.get("compiler", "aten")))
             runners[name] = compiled[name] = step
 
     progress = None
@@ -478,8 +480,14 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
                bandwidth2: str | None = None, steps: int = 20, warmup: int = 3, rounds: int = 4,
                batch: int | None = None, progress: bool = True, timeout_s: float = 900.0,
                include_ddp: bool = True, measured_timeline: str | None = None, prefix: str = "deftbench",
-               label: str | None = None, network_info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One launch: every variant of one model on one network. Returns the run's record (rows, samples, plans)."""
+               label: str | None = None, network_info: dict[str, Any] | None = None,
+               compiler: str = "aten") -> dict[str, Any]:
+    """One launch: every variant of one model on one network. Returns the run's record (rows, samples, plans).
+
+    ``compiler`` runs the compiled variants' graphs (``DeftConfig.compiler``). ``"aten"`` by default here: the
+    eager DDP baseline runs the same aten kernels, so ratios measure the communication schedule alone, and an
+    Inductor compile of every graph variant costs about a minute each on a cold cache on this CPU.
+    """
     from deft_compile.tools.launcher import run_local_workers
 
     rounds = max(1, min(rounds, steps))
@@ -490,7 +498,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         net = network_info or stack.enter_context(network(bandwidth, links, workers, bandwidth2, prefix))
         cfg = {"model": model, "batch": batch, "variants": variants, "warmup": warmup, "rounds": rounds,
                "block": block, "progress": progress, "extra_links": list(net["extra_links"]), "batch_pool": 8,
-               "link_repeats": 3, "measured_timeline": measured_timeline,
+               "link_repeats": 3, "measured_timeline": measured_timeline, "compiler": compiler,
                "label": label or f"{model} @ {bandwidth or 'unshaped'}"}
         results = run_local_workers(bench_worker, workers, (cfg,), timeout_s=timeout_s, collective_timeout_s=300.0,
                                     **net["launch"])
@@ -584,7 +592,8 @@ def _run_grid(args: argparse.Namespace, models: list[str], bandwidths: list[str 
         for bandwidth in bandwidths:
             run = run_config(model, bandwidth, policies=policies, workers=args.workers, links=args.links,
                              bandwidth2=bandwidth2, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                             batch=args.batch, progress=not args.no_progress, timeout_s=args.timeout)
+                             batch=args.batch, progress=not args.no_progress, timeout_s=args.timeout,
+                             compiler=args.compiler)
             run["model_info"] = infos[model]
             if plot_path is not None and "deft" in policies:
                 png = plot_path.with_name(f"{plot_path.stem}_{_slug(model)}_{_slug(bandwidth or 'unshaped')}"
@@ -697,4 +706,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        "timeline next to it")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before one launch's workers are killed")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--compiler", choices=("aten", "inductor"), default="aten",
+                        help="what runs the compiled variants' graphs (default aten: the same kernels as eager DDP, so "
+                             "the ratios measure the schedule; inductor compiles each graph variant, about a minute "
+                             "each on a cold cache here)")
     parser.set_defaults(func=run_bench)
