@@ -21,7 +21,6 @@ import math
 import sys
 import sysconfig
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -125,14 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.perf_counter() - started:.1f} s")
     if not args.tiny:
         log("sample: " + repr(sample(model, b"def ", 80, args.context, device)))
-    if args.checkpoint and rank == 0:
-        Path(args.checkpoint).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step.state_dict(),
-                    "iteration": start + args.steps, "args": vars(args)}, args.checkpoint)
-        log(f"checkpoint: {args.checkpoint}")
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+    if args.checkpoint:
+        worker.save_checkpoint(args.checkpoint, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step.state_dict(),
+            "iteration": start + args.steps, "args": vars(args)})
+    worker.finish()
     return 0
 
 

@@ -19,7 +19,6 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -138,14 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"update {update + 1} eval loss {evaluate(model, val_data, args, device):.4f}")
     step.flush()
     log(f"final eval loss {evaluate(model, val_data, args, device):.4f} after {start + args.steps} updates")
-    if args.checkpoint and rank == 0:
-        Path(args.checkpoint).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "step": step.state_dict(), "update": start + args.steps}, args.checkpoint)
-        log(f"checkpoint: {args.checkpoint}")
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+    if args.checkpoint:
+        worker.save_checkpoint(args.checkpoint, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "step": step.state_dict(), "update": start + args.steps})
+    worker.finish()
     return 0
 
 

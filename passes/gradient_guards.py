@@ -87,7 +87,9 @@ class _Guard:
             return
         # The update starts at its first gradient read or its first in-place write, whichever comes first
         # (SGD's momentum buffer is multiplied before the gradient is added).
-        writes = [node for node in self._mutations() if order[node] > order[min(gradients.values(), key=order.__getitem__)]]
+        mutations = self._mutations()
+        first_gradient = min(gradients.values(), key=order.__getitem__)
+        writes = [node for node in mutations if order[node] > order[first_gradient]]
         first_update = min(users + writes, key=order.__getitem__)
         self._hoist_before(first_update, list(gradients.values()), order)
         params = sorted(gradients)
@@ -105,7 +107,7 @@ class _Guard:
                     for reader in readers[grad]:
                         reader.replace_input_with(grad, new)
         if self.options.skip_nonfinite:
-            self._skip_if(found, first_update)
+            self._skip_if(found, first_update, mutations)
         values = list(self.output.args[0]) + list(extra_outputs.values())
         self.output.args = (tuple(values),)
         self.layout.carry_outputs = list(self.layout.carry_outputs) + list(extra_outputs)
@@ -171,16 +173,12 @@ class _Guard:
                         found[node] = base
         return found
 
-    def _mutated_inputs(self) -> dict[fx.Node, fx.Node]:
-        """Parameter and optimizer-state inputs the update mutates in place -> their last mutation."""
-        last: dict[fx.Node, fx.Node] = {}
-        for node, base in self._mutations().items():  # graph order: later writes overwrite
-            last[base] = node
-        return last
-
-    def _skip_if(self, found: fx.Node, first_update: fx.Node) -> None:
+    def _skip_if(self, found: fx.Node, first_update: fx.Node, mutations: dict[fx.Node, fx.Node]) -> None:
+        """Snapshot every parameter and state input the update writes; restore it after its last write if found."""
         g = self.graph
-        mutated = self._mutated_inputs()
+        mutated: dict[fx.Node, fx.Node] = {}  # input -> its last write (graph order: later writes overwrite)
+        for node, base in mutations.items():
+            mutated[base] = node
         with g.inserting_before(first_update):
             is_found = g.call_function(aten.gt.Scalar, (found, 0.0))
             snapshots = {tensor: g.call_function(aten.clone.default, (tensor,)) for tensor in mutated}

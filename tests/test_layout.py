@@ -114,6 +114,11 @@ def test_policy_runtime_hooks() -> None:
     assert type(runtimes["usbyte"]) is PolicyRuntime  # plan-only policies get the base class
     assert runtime_for("deft") is not runtime_for("deft")  # one per compiled step: no shared state
 
+    from deft_compile import DeftConfig
+
+    assert runtimes["deft"].solver_defaults(DeftConfig(accumulation_steps=2)) == {"allow_period": False}
+    assert runtimes["deft"].solver_defaults(DeftConfig()) == {} and runtimes["wfbp"].solver_defaults(DeftConfig()) == {}
+
     class Custom(PolicyRuntime):
         needs_profile = False
 

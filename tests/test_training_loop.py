@@ -94,6 +94,19 @@ def test_accumulation_equals_eager_mean_over_micro_batches() -> None:
     assert step.trace_count == traced == 6  # later cycles reuse the steady cycle's graphs
 
 
+def test_graph_cache_holds_a_whole_accumulation_cycle() -> None:
+    """Each call of a cycle has its own graph; a cache smaller than the cycle would retrace every call."""
+    model = _mlp()
+    step = deft_compile(model, _sgd(model), F.cross_entropy, config=DeftConfig(accumulation_steps=4, max_cached_graphs=1))
+    batches = _batches(16)
+    for x, y in batches[:8]:
+        step(x, y)
+    traced = step.trace_count
+    for x, y in batches[8:]:
+        step(x, y)
+    assert step.trace_count == traced <= 8
+
+
 def test_accumulation_flush_applies_a_partial_cycle() -> None:
     eager, compiled = _mlp(), _mlp()
     eager_opt, compiled_opt = _sgd(eager), _sgd(compiled)

@@ -43,20 +43,22 @@ def _ddp_pair(case: str) -> tuple:
     return make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer
 
 
-def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir: str | None = None, policy: str = "wfbp") -> dict:
+def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir: str | None = None, policy: str = "wfbp",
+                     compiler: str | None = None) -> dict:
     """Train one model with torch DDP and one with deft_compile on the same per-rank data;
-    report, per step, the worst difference over parameters, buffers and optimizer state."""
+    report, per step, the worst difference over parameters, buffers and optimizer state (and which compiler
+    ran the step; with ``compiler`` given, the last lowering's generated code and history too)."""
     _, make_batch, loss_fn, _, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
     step = deft_compile(
         deft_model,
         deft_optimizer,
         loss_fn,
         policy=policy,
-        config=DeftConfig(first_bucket_mb=0.0002, bucket_cap_mb=0.004),
+        config=DeftConfig(first_bucket_mb=0.0002, bucket_cap_mb=0.004, **({"compiler": compiler} if compiler else {})),
         dump_dir=f"{dump_dir}/rank{rank}" if dump_dir else None,
     )
     data = torch.Generator().manual_seed(1234 + rank)
-    report = []
+    report, compilers = [], []
     for t in range(steps):
         inputs, targets = make_batch(data)
         torch.manual_seed(100 * rank + t)  # each rank its own Dropout stream, as in DDP
@@ -69,12 +71,17 @@ def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir
         entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
         entry.update(step=t, loss_diff=abs(ddp_loss.item() - deft_loss.item()))
         report.append(entry)
-    return {
+        compilers.append(step.compiler)
+    result = {
         "steps": report,
         "buckets": len(step.graph.items),
         "traces": step.trace_count,
         "code": step.graph.graph_module.code,
+        "compilers": compilers,
     }
+    if compiler is not None and step.lowering.last is not None:
+        result.update(generated_code=step.lowering.last.source_code, lowering_history=step.lowering.history)
+    return result
 
 
 def _tiny_step(hidden: int, **config):

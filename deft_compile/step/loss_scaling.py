@@ -77,6 +77,6 @@ class LossScaler:
         self.growth_tracker.fill_(int(state["growth_tracker"]))
 
 
-def guard_options(max_grad_norm: float | None, norm_type: float, scaler: LossScaler | None) -> GuardOptions:
+def guard_options_for(max_grad_norm: float | None, norm_type: float, scaler: LossScaler | None) -> GuardOptions:
     """What the ``gradient_guards`` pass adds for these settings."""
     return GuardOptions(max_norm=max_grad_norm, norm_type=norm_type, **(scaler.guard_options() if scaler else {}))

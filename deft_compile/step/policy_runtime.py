@@ -228,4 +228,4 @@ def register_runtime(policy: str, runtime: type[PolicyRuntime]) -> None:
     _RUNTIMES[policy] = runtime
 
 
-__all__: list[Any] = ["PolicyRuntime", "RunningStep", "register_runtime", "runtime_for", "average_replicas"]
+__all__ = ["PolicyRuntime", "RunningStep", "register_runtime", "runtime_for", "average_replicas"]

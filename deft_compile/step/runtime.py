@@ -26,7 +26,7 @@ from deft_compile.debug.artifacts import (
 from deft_compile.passes.gradient_guards import FOUND_INF_KEY, GRAD_NORM_KEY
 from deft_compile.passes.local_collectives import LOCAL_GROUP
 from deft_compile.step.capture import CapturedStep, StateSlot, ambient_autocast, capture_step, split_user_inputs
-from deft_compile.step.loss_scaling import LossScaler, guard_options
+from deft_compile.step.loss_scaling import LossScaler, guard_options_for
 from deft_compile.config import DeftConfig
 from deft_compile.step.distributed import (
     broadcast_from_rank0,
@@ -378,7 +378,7 @@ class CompiledStep:
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
         group = self._step_group or self.comm_group
-        guards = guard_options(self.config.max_grad_norm, self.config.norm_type, self.loss_scaler)
+        guards = guard_options_for(self.config.max_grad_norm, self.config.norm_type, self.loss_scaler)
         compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush, guards=guards)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
@@ -397,9 +397,10 @@ class CompiledStep:
             self._graphs.popitem(last=False)
         return compiled
 
-    def _scheduled(self, plan: Plan, index: ProfileIndex, groups: list[CommGroup] | None = None) -> list[ScheduledItem]:
+    def _scheduled(self, plan: Plan, index: ProfileIndex, groups: list[CommGroup] | None = None,
+                   profile: Profile | None = None) -> list[ScheduledItem]:
         """The plan's items on captured parameters and process groups, with gradient accumulation's period."""
-        profile = self.profile
+        profile = profile or self.profile
         items = scheduled_items(plan, index, groups or self._groups, profile.params[0].element_bytes if profile else 4)
         return with_accumulation(items, self.config.accumulation_steps)
 
@@ -418,10 +419,7 @@ class CompiledStep:
         local = static_profile(captured, index, [LinkCost("local", 0.0, 0.0)], 1)
         options = {"first_bucket_bytes": self.config.first_bucket_bytes, "bucket_cap_bytes": self.config.bucket_cap_bytes}
         plan = solve_wfbp(local, **options)  # DDP's buckets: no communication to schedule
-        self._items = with_accumulation(
-            scheduled_items(plan, index, [CommGroup(name=LOCAL_GROUP, rank=0, world_size=1)], local.params[0].element_bytes),
-            self.config.accumulation_steps,
-        )
+        self._items = self._scheduled(plan, index, [CommGroup(name=LOCAL_GROUP, rank=0, world_size=1)], local)
         self._planning_capture = captured
 
     def _capture(self, args: tuple, kwargs: dict) -> CapturedStep:

@@ -203,6 +203,21 @@ class TorchrunWorker:
         if self.rank == 0:
             print(message, flush=True)
 
+    def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+        """``torch.save`` on rank 0 (every rank holds the same model after ``step.flush()``)."""
+        if self.rank == 0:
+            from pathlib import Path
+
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+            self.log(f"checkpoint: {path}")
+
+    def finish(self) -> None:
+        """Wait for every rank, then tear the process group down."""
+        if self.distributed:
+            dist.barrier()
+            dist.destroy_process_group()
+
 
 def init_from_torchrun() -> TorchrunWorker:
     """Read torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and set up.
