@@ -15,7 +15,6 @@ cache hit; a second process hits the on-disk cache the same way). One intra-op t
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time

@@ -75,8 +75,9 @@ def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path):
         assert expected["pending"].keys() == actual["pending"].keys()
         for item, tensor in expected["pending"].items():
             assert torch.equal(tensor, actual["pending"][item]), f"rank {rank}: pending item {item} differs"
-        # the Preserver continues too: its measurements before the checkpoint (step 5) are not lost
-        assert expected["preserver"] is not None and expected["preserver"]["errors"], expected["preserver"]
+        # the Preserver continues too: the measurement before the checkpoint (step 5) is kept, step 10 adds one
+        assert expected["preserver"] is not None and expected["preserver"]["pricer"]["shares"], expected["preserver"]
+        assert all(len(shares) == 2 for shares in expected["preserver"]["pricer"]["shares"].values())
         assert actual["preserver"] == expected["preserver"]
 
 

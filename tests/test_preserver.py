@@ -77,8 +77,8 @@ def test_one_staleness_spike_is_ignored():
     assert not preserver.pinned and not preserver.history
 
 
-def test_staleness_schedule_has_early_measurements():
-    preserver = _preserver(staleness_every=25)
+def test_veto_mode_staleness_schedule_has_early_measurements():
+    preserver = _preserver(staleness_every=25, trade=False)
     assert [s for s in range(1, 101) if preserver.staleness_due(s)] == [5, 10, 25, 50, 75, 100]
     assert not any(_preserver(staleness_every=0).staleness_due(s) for s in range(1, 100))
 
@@ -133,22 +133,29 @@ def test_config_is_validated():
 
 def test_preserver_rescues_a_run_that_staleness_breaks():
     """2 gloo workers, SGD with momentum at lr 0.02 on a regression MLP whose DeFT plan delays all but one
-    bucket. Synchronous training converges; with delays it diverges; with the Preserver (on by default)
-    the staleness error of the delayed buckets triggers a re-plan, recorded in ``plan_history``, and the
-    run converges like the synchronous one."""
+    bucket. Synchronous training converges; with delays it diverges; with the Preserver (on by default, in
+    trade mode; and in veto mode) the staleness measurements re-plan, recorded in ``plan_history``, and the
+    run converges like the synchronous one. A plan switch re-runs the passes on the one captured graph."""
     import math
 
     from deft_compile.tools.launcher import run_local_workers
     from workers import preserver_run
 
-    def run(enabled, synchronous):
-        return run_local_workers(preserver_run, 2, (0.02, enabled, 60, 5, synchronous), timeout_s=240)[0].value
+    def run(enabled, synchronous, trade=True):
+        return run_local_workers(preserver_run, 2, (0.02, enabled, 60, 5, synchronous, trade), timeout_s=240)[0].value
 
-    synchronous, delayed, preserved = run(False, True), run(False, False), run(True, False)
+    synchronous, delayed = run(False, True), run(False, False)
     assert synchronous["losses"][-1] < 1.0
     assert not math.isfinite(delayed["losses"][-1]) or delayed["losses"][-1] > 100.0
-    assert math.isfinite(preserved["losses"][-1]) and preserved["losses"][-1] < 1.0
     assert len(delayed["history"]) == 1, "without the Preserver the plan never changes"
-    reasons = [entry["reason"] for entry in preserved["history"][1:]]
-    assert reasons and "staleness error" in reasons[0]
-    assert preserved["history"][-1]["delayed_items"] < preserved["history"][0]["delayed_items"]
+    for trade, expected in ((True, "staleness priced"), (False, "staleness error")):
+        preserved = run(True, False, trade)
+        assert math.isfinite(preserved["losses"][-1]) and preserved["losses"][-1] < 1.0, (trade, preserved["events"])
+        reasons = [entry["reason"] for entry in preserved["history"][1:]]
+        assert reasons and expected in reasons[0], reasons
+        assert preserved["history"][-1]["delayed_items"] < preserved["history"][0]["delayed_items"]
+        overheads = preserved["overheads"]
+        # the first steps trace while optimizer state appears; plan switches and flushes trace nothing more
+        assert overheads["captures"] == delayed["overheads"]["captures"], f"a plan switch traced again: {overheads}"
+        assert overheads["graphs"] > len(preserved["history"]), overheads
+        assert overheads["probe_seconds"] > 0, overheads

@@ -123,6 +123,41 @@ def test_deft_delays_when_backward_cannot_hide_the_last_buckets() -> None:
     assert priced.communication() == wfbp.communication()
 
 
+def test_staleness_prices_trade_delays_bucket_by_bucket() -> None:
+    """Per-parameter prices (the Preserver's trade): zero prices change nothing; a price above the time a
+    bucket's delay hides keeps that bucket synchronous while cheaper ones stay delayed; the chosen plan's
+    predicted time plus its price never exceeds WFBP's time."""
+    params = [ParamProfile(f"p{i}", 250_000, "float32", 1.0, 1.0, 0.0, layer=3 - i) for i in range(4)]
+    profile = Profile(params, [LinkCost("l", 0.5, 1e-6)])
+    options = {"first_bucket_bytes": 1_000_000, "bucket_cap_bytes": 1_000_000}
+    wfbp = solve(profile, "wfbp", **options)
+    options["allow_period"] = False
+    free = solve(profile, "deft", **options)
+    assert solve(profile, "deft", staleness_prices={"p0": 0.0}, **options).items == free.items
+    delayed = {item.bucket for item in free.items if item.delay}
+    assert len(delayed) >= 2
+    expensive = max(delayed)
+    bucket_of = {s.param: item.bucket for item in free.items for s in item.slices}
+    expensive_param = next(f"p{p}" for p, b in bucket_of.items() if b == expensive)
+    priced = solve(profile, "deft", staleness_prices={expensive_param: 50.0}, **options)
+    assert expensive not in {item.bucket for item in priced.items if item.delay}
+    assert any(item.delay for item in priced.items), "the unpriced buckets are still delayed"
+    assert priced.predicted_iteration_ms + priced.metadata["staleness_price_ms"] <= wfbp.predicted_iteration_ms
+    everything = solve(profile, "deft", staleness_prices={f"p{i}": 50.0 for i in range(4)}, **options)
+    assert not any(item.delay for item in everything.items)
+
+
+def test_priced_buckets_get_no_period() -> None:
+    params = [ParamProfile(f"p{i}", 1_000_000, "float32", 1.0, 1.0, 0.0, layer=7 - i) for i in range(8)]
+    profile = Profile(params, [LinkCost("l", 0.1, 1e-6)])  # 4 ms per bucket, 32 ms vs 16 ms compute
+    options = {"first_bucket_bytes": 4_000_000, "bucket_cap_bytes": 4_000_000, "max_staleness": 1}
+    periodic = solve(profile, "deft", **options)
+    assert any(item.period > 1 for item in periodic.items)
+    prices = {f"p{i}": 10.0 for i in range(8)}  # above every bucket's 4 ms of communication
+    priced = solve(profile, "deft", staleness_prices=prices, **options)
+    assert all(item.period == 1 and item.delay == 0 for item in priced.items)
+
+
 def test_deft_uses_a_period_when_coverage_stays_above_one() -> None:
     params = [ParamProfile(f"p{i}", 1_000_000, "float32", 1.0, 1.0, 0.0, layer=7 - i) for i in range(8)]
     profile = Profile(params, [LinkCost("l", 0.1, 1e-6)])  # 4 ms per bucket, 32 ms vs 16 ms compute

@@ -491,7 +491,7 @@ def delaying_profile(model, optimizer, loss_fn, batch, world_size: int = 2):
 
 
 def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: int, check_every: int = 5,
-                  synchronous: bool = False) -> dict:
+                  synchronous: bool = False, trade: bool = True) -> dict:
     """Regression MLP, SGD with momentum at a learning rate near the edge of stability, DeFT with a plan that
     delays every bucket: staleness makes it diverge unless the Preserver backs off."""
     import torch.nn as nn
@@ -513,14 +513,15 @@ def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: i
     config = DeftConfig(
         plan_options={"first_bucket_bytes": 1, "bucket_cap_bytes": 1, "allow_period": False,
                       **({"max_staleness": 0} if synchronous else {})},
-        preserver=PreserverConfig(enabled=enabled, check_every=check_every, staleness_every=check_every),
+        preserver=PreserverConfig(enabled=enabled, check_every=check_every, staleness_every=check_every, trade=trade),
     )
     step = deft_compile(model, optimizer, F.mse_loss, policy="deft", profile=profile, config=config)
     losses = [float(step(x, y)) for x, y in batches]
     step.flush()
     return {"losses": losses, "history": step.plan_history,
             "events": [str(e) for e in (step.preserver.history if step.preserver else [])],
-            "metrics": [e.metrics for e in (step.preserver.history if step.preserver else [])]}
+            "metrics": [e.metrics for e in (step.preserver.history if step.preserver else [])],
+            "overheads": step.overheads}
 
 
 def dumped_deft_run(rank: int, world_size: int, dump_dir: str, steps: int) -> dict:

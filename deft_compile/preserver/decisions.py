@@ -8,7 +8,14 @@ while on a CNN under SGD the same plans cost nothing measurable. So a plan is
 checked while it trains, from signals that are identical on every rank (so
 every rank takes the same decision without extra agreement):
 
-* **staleness error** of each bucket:
+* **staleness price** of each parameter (``trade``, the default): the share
+  of a step's progress one step of staleness loses, priced in ms per step
+  (:mod:`deft_compile.preserver.pricing`). The prices go to the deft solver
+  (``staleness_prices``), which keeps a delay or a period only where the
+  communication it hides is worth more than its price: partial delays and
+  smaller periods before everything is synchronous. The plan changes only
+  when the priced schedule does; measurements are spaced out while it stays.
+* **staleness error** of each bucket (``trade=False``, the veto mode):
   ``‖g(w_{t+1}; B_t) − g(w_t; B_t)‖ / ‖g(w_t; B_t)‖`` on the *same* minibatch
   (:mod:`deft_compile.preserver.staleness`), summed over ranks, times the bucket's mean
   staleness in steps (``d + (K − 1)/2``, at least 1). It is the relative error
@@ -46,6 +53,8 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+from deft_compile.preserver.pricing import ProbeSchedule, StalenessPricer, progress_shares
 
 log = logging.getLogger("deft_compile")
 
@@ -87,6 +96,17 @@ class PreserverConfig:
             synchronous steps and compare their mean loss with the preceding
             ``probe_window`` steps of the current plan.
         probe_window: steps in a synchronous probe window.
+        trade: price staleness per parameter and let the solver trade it
+            against the time it hides (default) instead of pinning buckets
+            whose error crosses ``staleness_threshold`` (the veto mode).
+        staleness_price: κ of :mod:`deft_compile.preserver.pricing`: the price
+            of one step of staleness is κ × (share of a step's progress lost)
+            × step time. 1 is the first-order estimate; above 1 is more careful.
+        probe_backoff: while trades leave the plan unchanged, the interval
+            between staleness measurements doubles up to ``staleness_every ×
+            probe_backoff`` (trade mode).
+        probe_budget: measurements never take more than this share of the
+            training time on average (trade mode; their measured cost counts).
     """
 
     enabled: bool = True
@@ -101,6 +121,10 @@ class PreserverConfig:
     divergence_factor: float = 2.0
     probe_every: int = 0
     probe_window: int = 5
+    trade: bool = True
+    staleness_price: float = 1.0
+    probe_backoff: int = 8
+    probe_budget: float = 0.05
 
     def __post_init__(self) -> None:
         if self.divergence_factor <= 1.0:
@@ -113,6 +137,8 @@ class PreserverConfig:
             raise ValueError("release_ratio must be in [0, 1]")
         if self.staleness_window < 1:
             raise ValueError("staleness_window must be at least 1")
+        if self.staleness_price < 0 or self.probe_budget < 0 or self.probe_backoff < 1:
+            raise ValueError("staleness_price and probe_budget must be >= 0 and probe_backoff >= 1")
 
 
 @dataclass
@@ -126,7 +152,10 @@ class PreserverEvent:
     level: int
 
     def __str__(self) -> str:
-        return f"step {self.step}: {self.reason} -> level {self.level} {self.options}"
+        options = dict(self.options)
+        if "staleness_prices" in options:  # one number per parameter: summarised
+            options["staleness_prices"] = f"<{len(options['staleness_prices'])} parameters>"
+        return f"step {self.step}: {self.reason} -> level {self.level} {options}"
 
 
 @dataclass
@@ -148,6 +177,10 @@ class Preserver:
         self._best_loss: float | None = None
         self._harmful_windows = 0
         self._ladder = self._build_ladder()
+        self.pricer = StalenessPricer(self.config.staleness_price, self.config.staleness_window)
+        self.probes = ProbeSchedule(self.config.staleness_every, self.config.probe_backoff, self.config.probe_budget)
+        self.prices: dict[str, float] = {}  # adopted staleness prices (trade mode), ms per step
+        self.priced_out = False  # the trade found the delays worth less than the probes that watch them
 
     # -- the ladder -----------------------------------------------------------
     def _build_ladder(self) -> list[tuple[str, dict[str, Any]]]:
@@ -176,7 +209,17 @@ class Preserver:
 
     @property
     def options(self) -> dict[str, Any]:
-        """Solver options of the current level, with the pinned parameters kept synchronous."""
+        """Solver options of the current level, with the pinned parameters kept synchronous and the adopted
+        staleness prices (trade mode)."""
+        options = self.unpriced_options()
+        if self.priced_out:
+            options["max_staleness"] = 0
+        elif self.prices and options.get("max_staleness", 1) != 0:
+            options["staleness_prices"] = dict(self.prices)
+        return options
+
+    def unpriced_options(self) -> dict[str, Any]:
+        """Solver options of the current level with the pinned parameters kept synchronous, without prices."""
         options = dict(self._ladder[self.level][1])
         if self.pinned:  # names, escaped so the solver's fnmatch matches them literally
             pinned = {re.sub(r"([\[\]*?])", r"[\1]", name) for name in self.pinned}
@@ -191,6 +234,10 @@ class Preserver:
             "errors": [[list(names), list(values)] for names, values in sorted(self._errors.items())],
             "best_loss": self._best_loss,
             "harmful_windows": self._harmful_windows,
+            "pricer": self.pricer.state_dict(),
+            "probes": self.probes.state_dict(),
+            "prices": dict(self.prices),
+            "priced_out": self.priced_out,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -199,6 +246,11 @@ class Preserver:
         self._errors = {tuple(names): [float(v) for v in values] for names, values in state["errors"]}
         self._best_loss = state["best_loss"]
         self._harmful_windows = int(state["harmful_windows"])
+        if "pricer" in state:
+            self.pricer.load_state_dict(state["pricer"])
+            self.probes.load_state_dict(state["probes"])
+            self.prices = {name: float(v) for name, v in state["prices"].items()}
+            self.priced_out = bool(state["priced_out"])
 
     @property
     def exhausted(self) -> bool:
@@ -216,6 +268,8 @@ class Preserver:
         every = self.config.staleness_every
         if not every:
             return False
+        if self.config.trade:
+            return self.probes.due(step)
         early = max(1, every // 5)
         return step % every == 0 or step in (early, 2 * early)
 
@@ -278,6 +332,20 @@ class Preserver:
         return self._record(
             step, f"{'; '.join(parts)}; re-planning with {len(self.pinned)} parameter(s) kept synchronous", metrics
         )
+
+    def trade(self, step: int, changes: dict[str, tuple[float, float]], step_ms: float) -> dict[str, float] | None:
+        """Trade mode: one measurement of every parameter's (‖Δg‖², ‖g‖²) on a minibatch, summed over ranks.
+        Returns the prices to plan with once every parameter has a full window, else None. The caller (the
+        monitor) solves with them and calls ``record_trade`` if the schedule changes."""
+        self.pricer.observe(changes)
+        self.staleness_log.append((step, {name: round(share, 6) for name, share in progress_shares(changes).items()}))
+        return self.pricer.prices(step_ms) if self.pricer.ready else None
+
+    def record_trade(self, step: int, prices: dict[str, float], priced_out: bool, metrics: dict[str, Any],
+                     reason: str) -> PreserverEvent:
+        """Adopt ``prices`` (and whether the delays are priced out by their own probes) as the plan's new trade."""
+        self.prices, self.priced_out = dict(prices), priced_out
+        return self._record(step, reason, metrics)
 
     # -- signals --------------------------------------------------------------
     def observe_window(self, step: int, mean_loss: float) -> PreserverEvent | None:

@@ -13,6 +13,7 @@ two numbers per bucket.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Protocol
 
 import torch
@@ -54,6 +55,8 @@ class PreserverMonitor:
         self._before: list[torch.Tensor] | None = None
         self._recent_losses: list[float] = []
         self._probe: dict | None = None
+        self.probe_seconds = 0.0  # wall-clock time spent measuring staleness (cloning weights, recomputing)
+        self._clone_seconds = 0.0  # the weight copy of the measurement under way
 
     def state_dict(self) -> dict:
         """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one."""
@@ -78,16 +81,28 @@ class PreserverMonitor:
                 for item in self.step.items}
 
     def _worth_measuring(self) -> bool:
-        """Stale items to check, or pinned buckets that may be released."""
+        """Veto mode: stale items to check, or pinned buckets that may be released. Trade mode: the plan
+        without prices has staleness to trade (else there is nothing to price)."""
+        if self.config.trade:
+            return any(self._staleness(item) > 0 for item in self.step.items) or any(
+                item.delay or item.period > 1 for item in self.step.solve(self.preserver.unpriced_options()).items)
         return any(self._staleness(item) > 0 for item in self.step.items) or bool(self.preserver.pinned)
 
     def before_step(self) -> None:
         """Called before every step: keep the weights if this step's staleness error is measured."""
         self._before = None
-        if (self._probe is None and not self.preserver.exhausted
-                and self.preserver.staleness_due(self.step.step_count + 1) and self._worth_measuring()
-                and self.step.updates_at(self.step.step_count)):  # a call that only accumulates changes no weight
+        step = self.step.step_count + 1
+        if self._probe is None and not self.preserver.exhausted and self.preserver.staleness_due(step):
+            if not self.step.updates_at(self.step.step_count):  # a call that only accumulates changes no weight
+                self.preserver.probes.postpone(1)
+                return
+            if not self._worth_measuring():
+                self.preserver.probes.postpone(self.config.staleness_every)
+                return
+            started = time.perf_counter()
             self._before = [p.detach().clone() for p in self.step.graph.captured.model_state.params]
+            self._clone_seconds = time.perf_counter() - started
+            self.probe_seconds += self._clone_seconds
 
     def _staleness_errors(self, args: tuple, kwargs: dict) -> dict[tuple[str, ...], tuple[float, float]]:
         """Per bucket: (relative gradient change of this step on its own minibatch, summed over ranks;
@@ -108,6 +123,60 @@ class PreserverMonitor:
             if sums[n + i] > 0
         }
 
+    def _parameter_changes(self, args: tuple, kwargs: dict) -> tuple[dict[str, tuple[float, float]], float]:
+        """Per trained parameter name: (‖Δg‖², ‖g‖²) of this step on its own minibatch, mean over ranks; and
+        the measurement's cost in ms (weight copy and recomputation), also the mean over ranks: every rank
+        decides from the same numbers."""
+        started = time.perf_counter()
+        state = self.step.graph.captured.model_state
+        watched = sorted({p for item in self.step.items for p in item.params})
+        change = same_batch_gradient_change(
+            self.step.model, state.param_names, self._before, state.params, dict(zip(state.buffer_names, state.buffers)),
+            self.step.loss_fn, args, kwargs, watched,
+        )
+        probe_ms = 1e3 * (time.perf_counter() - started + self._clone_seconds)
+        means = self._all_rank_mean([change.get(p, (0.0, 0.0))[k] for k in (0, 1) for p in watched] + [probe_ms])
+        n = len(watched)
+        return {state.param_names[p]: (means[i], means[n + i]) for i, p in enumerate(watched)}, means[-1]
+
+    def _trade(self, step_count: int, changes: dict[str, tuple[float, float]], probe_ms: float) -> PreserverEvent | None:
+        """Price the measured staleness, solve with the prices, switch if the schedule changes, and space
+        out the next measurement. Delays whose priced gain over the synchronous plan would not even pay
+        for probing at the longest interval are dropped (``priced_out``): the probes count in the trade."""
+        preserver = self.preserver
+        unpriced = preserver.unpriced_options()
+        synchronous_ms = self.step.solve({**unpriced, "max_staleness": 0}).predicted_iteration_ms
+        prices = preserver.trade(step_count, changes, synchronous_ms)
+        changed, event = False, None
+        if prices is not None:
+            priced = self.step.solve({**unpriced, "staleness_prices": prices})
+            price_ms = float(priced.metadata.get("staleness_price_ms", 0.0))
+            gain_ms = synchronous_ms - priced.predicted_iteration_ms - price_ms
+            stale = any(item.delay or item.period > 1 for item in priced.items)
+            longest = self.config.staleness_every * self.config.probe_backoff
+            priced_out = stale and gain_ms * longest < probe_ms
+            if priced_out:
+                priced = self.step.solve({**unpriced, "max_staleness": 0})
+            metrics = {"synchronous_ms": synchronous_ms, "plan_ms": priced.predicted_iteration_ms,
+                       "price_ms": price_ms, "gain_ms": gain_ms, "probe_ms": probe_ms,
+                       "total_price_ms_per_staleness_step": sum(prices.values()),
+                       "top_prices_ms": dict(sorted(prices.items(), key=lambda kv: -kv[1])[:5])}
+            if _schedule(priced) != _schedule(self.step.plan):
+                delayed = sum(1 for item in priced.items if item.delay)
+                periodic = sum(1 for item in priced.items if item.period > 1)
+                reason = (f"staleness priced (κ={self.config.staleness_price:g}): {delayed} delayed and {periodic} "
+                          f"periodic of {len(priced.items)} items; predicted {priced.predicted_iteration_ms:.3g} ms + "
+                          f"price {price_ms:.3g} ms per step against {synchronous_ms:.3g} ms synchronous"
+                          + (f"; the delays gain less than their probes cost ({probe_ms:.3g} ms)" if priced_out else ""))
+                event = preserver.record_trade(step_count, prices, priced_out, metrics, reason)
+                self.step.switch_plan(preserver.options, reason)
+                changed = True
+            else:
+                preserver.prices, preserver.priced_out = prices, priced_out
+        preserver.probes.after_measurement(step_count, changed=changed, probe_ms=probe_ms,
+                                           step_ms=self.step.plan.predicted_iteration_ms or synchronous_ms)
+        return event
+
     def _all_rank_mean(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(tensor, group=self.step.process_group)
@@ -123,9 +192,17 @@ class PreserverMonitor:
         self._loss_sum += value
         self._loss_count += 1
         event = None
-        if self._before is not None:
+        if self._before is not None and self.config.trade:
+            started = time.perf_counter()
+            changes, probe_ms = self._parameter_changes(args, kwargs)
+            self._before = None
+            self.probe_seconds += time.perf_counter() - started
+            event = self._trade(step_count, changes, probe_ms)
+        elif self._before is not None:
+            started = time.perf_counter()
             errors = self._staleness_errors(args, kwargs)
             self._before = None
+            self.probe_seconds += time.perf_counter() - started
             event = self.preserver.observe_staleness(step_count, errors)
             if event is not None:
                 self._apply(event, step_down=False)
@@ -166,11 +243,13 @@ class PreserverMonitor:
     def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
         """Switch to the event's plan. A ladder level whose plan is the same as the current one is skipped
         (``step_down``); a pinning that leaves the plan as it is changes nothing."""
-        def schedule(plan) -> list[dict]:  # what runs; the options (and so the hash) change with every decision
-            return [item.to_dict() for item in plan.items]
-
-        current = schedule(self.step.plan)
-        while step_down and schedule(self.step.solve(self.preserver.options)) == current and not self.preserver.exhausted:
+        current = _schedule(self.step.plan)
+        while step_down and _schedule(self.step.solve(self.preserver.options)) == current and not self.preserver.exhausted:
             self.preserver._step_down(event.step, "the plan did not change at that level", event.metrics)
-        if schedule(self.step.solve(self.preserver.options)) != current:
+        if _schedule(self.step.solve(self.preserver.options)) != current:
             self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)
+
+
+def _schedule(plan: Plan) -> list[dict]:
+    """What runs: a plan's items. Options (and so the hash) change with every decision; the items may not."""
+    return [item.to_dict() for item in plan.items]

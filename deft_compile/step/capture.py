@@ -18,6 +18,8 @@ of the forward pass; :mod:`deft_compile.step.annotate` reads them.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import hashlib
 import linecache
 import os
@@ -103,6 +105,14 @@ class CapturedStep:
     def state_placeholders(self) -> list[fx.Node]:
         start = self.num_params + self.num_buffers
         return self.placeholders()[start : start + len(self.state_inputs)]
+
+    def copy_for_passes(self) -> "CapturedStep":
+        """The same capture on a copy of its graph and layout, for the passes to rewrite. Copying a graph takes
+        milliseconds where tracing the step again takes seconds; node meta (shapes, the annotation) is kept."""
+        graph = copy.deepcopy(self.graph_module.graph)
+        graph_module = fx.GraphModule(self.graph_module, graph, class_name=type(self.graph_module).__name__)
+        graph_module.meta = {**self.graph_module.meta, "deft_layout": copy.deepcopy(self.graph_module.meta["deft_layout"])}
+        return dataclasses.replace(self, graph_module=graph_module)
 
     def graph_hash(self) -> str:
         """A digest of the graph's code; equal on every rank that traced the same step."""

@@ -99,10 +99,12 @@ class CompiledStep:
         self.plan: Plan | None = None
         self._items: list[ScheduledItem] = []
         self._graphs: collections.OrderedDict[tuple, CompiledGraph] = collections.OrderedDict()
+        # Traces by what changes the trace (not the plan): a plan switch or a new phase re-runs the passes on a
+        # copy of the captured graph instead of tracing the step again (capture_key).
+        self._captures: collections.OrderedDict[tuple, CapturedStep] = collections.OrderedDict()
         self._carry: dict[str, torch.Tensor] = {}  # tensors crossing the step boundary, by key
         self._accumulated: dict[int, int] = {}  # local gradients summed so far, per periodic item
         self._last_call: tuple[tuple, dict] | None = None
-        self._planning_capture: CapturedStep | None = None
         self._preserver_state: dict[str, Any] | None = None  # loaded by load_state_dict, for the Preserver
         self._verified_signature: list | None = None
         self._index: ProfileIndex | None = None
@@ -112,8 +114,10 @@ class CompiledStep:
         self._step_group: CommGroup | None = None  # the group this step's items use, when the policy picks one
         self.plan_history: list[dict[str, Any]] = []
         self.step_count = 0
-        self.trace_count = 0
+        self.trace_count = 0  # step graphs built (passes run), one per cache miss
+        self.capture_count = 0  # of those, the ones that traced the step (make_fx) instead of reusing a capture
         self.last_trace_seconds = 0.0
+        self._seconds = {"planning": 0.0, "graphs": 0.0}
         self._links: list[tuple[str, dist.ProcessGroup]] = []
         # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
         # communicates), so it stays off there (docs/API.md).
@@ -179,7 +183,7 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
         if not self._items and (self.comm_group is not None or self.config.accumulation_steps > 1):
-            self._plan_from(args, kwargs)  # keeps its capture for this call's compile (_planning_capture)
+            self._plan_from(args, kwargs)  # its capture stays cached for this call's compile
         if self.comm_group is not None:
             self._use_step_group(self.policy_runtime.step_group(self))
         phases = self._phases(flush=False)
@@ -197,7 +201,6 @@ class CompiledStep:
         for item in self._items:
             if item.period > 1:
                 self._accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
-        self._planning_capture = None  # valid only for the call that planned
         self._last_call = (args, kwargs)
         self.last_call_updated = self.updates_at(self.step_count)
         self.step_count += 1
@@ -223,6 +226,21 @@ class CompiledStep:
         if self._recorder is not None and not self._recorder.finished:
             return self._recorder.around(lambda: self._run(compiled, user_tensors))
         return self._run(compiled, user_tensors)
+
+    @property
+    def overheads(self) -> dict[str, float | int]:
+        """Wall-clock seconds this step spent outside training steps proper: profiling and solving the first
+        plan (``planning_seconds``), building step graphs (``graph_seconds``: tracing and passes, not the
+        Inductor compile, which ``lowering.history`` reports), and the Preserver's staleness measurements
+        (``probe_seconds``); with the counts of graphs built and of step traces."""
+        return {
+            "planning_seconds": self._seconds["planning"],
+            "graph_seconds": self._seconds["graphs"],
+            "probe_seconds": self._monitor.probe_seconds if self._monitor is not None else 0.0,
+            "compile_seconds": sum(entry.get("seconds", 0.0) for entry in self.lowering.history),
+            "graphs": self.trace_count,
+            "captures": self.capture_count,
+        }
 
     @property
     def preserver(self) -> Preserver | None:
@@ -342,9 +360,8 @@ class CompiledStep:
                 phases[item.id] = ItemPhase(pending, accumulated > 0, communicate, accumulated + 1)
         return phases
 
-    def _cache_key(
-        self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any, phases: dict, *, flush: bool
-    ) -> tuple:
+    def _capture_key(self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any) -> tuple:
+        """Everything that changes the traced step (not what the passes do with it)."""
         tensor_key = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in user_tensors)
         modes = tuple(m.training for m in self.model.modules())
         return (
@@ -354,10 +371,17 @@ class CompiledStep:
             modes,
             hyperparameter_key(self.optimizer),
             tuple(self._existing_state_slots()),
+            ambient_autocast(),  # the forward's autocast regions are traced into the graph
+        )
+
+    def _cache_key(
+        self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any, phases: dict, *, flush: bool
+    ) -> tuple:
+        return (
+            self._capture_key(user_tensors, constants, spec),
             tuple(sorted(phases.items())),
             self.plan.hash() if self.plan is not None else None,
             tuple((item.group_name, item.world_size) for item in self._items),
-            ambient_autocast(),  # the forward's autocast regions are traced into the graph
             flush,
         )
 
@@ -371,10 +395,7 @@ class CompiledStep:
 
     def _compile(self, key: tuple, args: tuple, kwargs: dict, phases: dict[int, ItemPhase], *, flush: bool) -> CompiledGraph:
         started = time.perf_counter()
-        captured = self._planning_capture if self._planning_capture is not None and not flush else None
-        self._planning_capture = None
-        if captured is None:
-            captured = self._capture(args, kwargs)
+        captured = self._captured(args, kwargs).copy_for_passes()
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
         group = self._step_group or self.comm_group
@@ -382,9 +403,11 @@ class CompiledStep:
         compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush, guards=guards)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
+        self._seconds["graphs"] += self.last_trace_seconds
         log.info(
-            "captured step graph %d (%s%s, %d nodes, %d communication items) in %.2f s",
+            "built step graph %d (%d traces; %s%s, %d nodes, %d communication items) in %.2f s",
             self.trace_count,
+            self.capture_count,
             "flush" if flush else "step",
             ", with pending communication" if self._carry else "",
             len(compiled.graph_module.graph.nodes),
@@ -420,17 +443,32 @@ class CompiledStep:
         options = {"first_bucket_bytes": self.config.first_bucket_bytes, "bucket_cap_bytes": self.config.bucket_cap_bytes}
         plan = solve_wfbp(local, **options)  # DDP's buckets: no communication to schedule
         self._items = self._scheduled(plan, index, [CommGroup(name=LOCAL_GROUP, rank=0, world_size=1)], local)
-        self._planning_capture = captured
+
+    def _captured(self, args: tuple, kwargs: dict) -> CapturedStep:
+        """The traced step for these inputs, from the cache or a new trace. The passes get a copy
+        (``copy_for_passes``): the cached graph is never rewritten."""
+        user_tensors, constants, spec = split_user_inputs(args, kwargs)
+        key = self._capture_key(user_tensors, constants, spec)
+        captured = self._captures.get(key)
+        if captured is None:
+            captured = self._captures[key] = self._capture(args, kwargs)
+        self._captures.move_to_end(key)
+        while len(self._captures) > max(2, self.config.max_cached_graphs // 2):
+            self._captures.popitem(last=False)
+        return captured
 
     def _capture(self, args: tuple, kwargs: dict) -> CapturedStep:
+        self.capture_count += 1
         return capture_step(
             self.model, self.optimizer, self.loss_fn, args, kwargs, self._existing_state_slots(),
             scale_loss=self.loss_scaler is not None, accumulation_steps=self.config.accumulation_steps,
         )
 
     def _plan_from(self, args: tuple, kwargs: dict) -> None:
-        """Profile (unless given or not needed), solve, check the plan hash across ranks, translate to items."""
-        captured = self._capture(args, kwargs)
+        """Profile (unless given or not needed), solve, check the plan hash across ranks, translate to items.
+        The capture stays cached: the call that plans compiles from it right after."""
+        planning_started = time.perf_counter()
+        captured = self._captured(args, kwargs)
         annotation = annotate_capture(captured)
         index = ProfileIndex.of(annotation)
         if self.comm_group is None:
@@ -470,8 +508,7 @@ class CompiledStep:
         if self._preserver_state is not None and self._monitor is not None:
             self._monitor.load_state_dict(self._preserver_state)  # resumed: continue its decisions
             self._preserver_state = None
-        # The same arguments and optimizer state are compiled right after planning: capture once, not twice.
-        self._planning_capture = captured
+        self._seconds["planning"] += time.perf_counter() - planning_started
 
     def _new_preserver(self) -> Preserver:
         options = self._solver_options()

@@ -14,7 +14,8 @@ Algorithm (our reading of Meng & Sun, see DESIGN.md §1 and §3):
    balanced over the K phases (largest first onto the lightest phase). Knapsack
    weights are amortised: c_i / K_i.
 3. Two knapsacks. Forward knapsack: capacity T_F (merged forward compute),
-   weight = comm time, value = comm time minus ``staleness_penalty_ms``;
+   weight = comm time, value = comm time minus ``staleness_penalty_ms`` and minus the
+   bucket's measured ``staleness_prices`` (the Preserver's trade);
    chosen buckets get d=1, window ``forward-next`` (issued at the start of the
    next forward, waited before the next update). Backward knapsack: capacity
    T_B minus the comm time of the synchronous buckets that must also cross the
@@ -23,10 +24,11 @@ Algorithm (our reading of Meng & Sun, see DESIGN.md §1 and §3):
    ready, input side: those WFBP leaves exposed) is eligible; the suffix start
    is searched over up to ``suffix_candidates`` values. One DP pass in reverse
    bucket order gives the forward knapsack of every suffix at once.
-4. Every candidate is scored by the simulator; the fastest wins, and among
-   those within ``tie_tolerance`` the one delaying the fewest bytes (then no
-   period). If it is not faster than WFBP, the WFBP plan is returned, so the
-   DeFT plan is never slower than WFBP in simulation.
+4. Every candidate is scored by the simulator plus its staleness price (zero
+   unless priced); the cheapest wins, and among those within ``tie_tolerance``
+   the one delaying the fewest bytes (then no period). If it is not cheaper
+   than WFBP, the WFBP plan is returned, so the DeFT plan is never slower than
+   WFBP in simulation.
 
 The knapsack DP is exact on weights discretised to ``capacity/units`` ms
 (weights rounded up, capacity down: a chosen set never over-fills the real
@@ -135,12 +137,18 @@ def suffix_knapsacks(weights: list[int], values: list[float], capacity: int):
 @dataclass
 class _Candidate:
     iteration_ms: float
+    price_ms: float  # the convergence price of its staleness, ms per step
     delayed_bytes: int
     periodic: bool
     suffix: int
     kind: np.ndarray
     period: np.ndarray
     offset: np.ndarray
+
+    @property
+    def cost_ms(self) -> float:
+        """What candidates are ranked by: predicted step time plus the price of the staleness it adds."""
+        return self.iteration_ms + self.price_ms
 
 
 def _period_config(costs: np.ndarray, share_loads: np.ndarray, capacity: float, margin: float,
@@ -185,6 +193,7 @@ def solve_deft(
     max_period: int = 4,
     period_margin: float = 0.1,
     staleness_penalty_ms: float = 0.0,
+    staleness_prices: dict[str, float] | None = None,
     keep_synchronous: list[str] | tuple[str, ...] = (),
     links: list[int] | None = None,
     units: int = DEFAULT_UNITS,
@@ -200,6 +209,13 @@ def solve_deft(
         period_margin: safety margin on the capacity when choosing K.
         staleness_penalty_ms: subtracted from each delayed bucket's value, so a
             bucket is delayed only if it hides more than this.
+        staleness_prices: parameter name -> ms per step that one step of
+            staleness on that parameter costs in convergence (the Preserver's
+            measured trade, :mod:`deft_compile.preserver.pricing`). A bucket's
+            price is the sum over its parameters, times its mean staleness
+            (d + (K - 1)/2). Prices enter the knapsack values and the score
+            every candidate (and WFBP) is ranked by: predicted step time plus
+            price. A bucket priced above its communication time gets no period.
         keep_synchronous: parameter names (``fnmatch`` patterns) whose buckets
             stay exactly as in DDP: never delayed, never periodic. The
             Preserver fills it with the buckets whose staleness error it
@@ -217,6 +233,8 @@ def solve_deft(
                "keep_synchronous": sorted({str(name) for name in keep_synchronous}),
                "links": None if links is None else [int(l) for l in links], "units": int(units),
                "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance)}
+    if staleness_prices:  # only when priced, so unpriced plans keep the hashes they always had
+        options["staleness_prices"] = {str(k): float(v) for k, v in sorted(staleness_prices.items())}
     if max_staleness not in (0, 1):
         raise ValueError("max_staleness must be 0 or 1 (delays are at most one step)")
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
@@ -246,6 +264,8 @@ def solve_deft(
     pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern)
                            for p in bucket for pattern in options["keep_synchronous"])
                        for bucket in buckets], dtype=bool)
+    prices = options.get("staleness_prices", {})
+    price = np.array([sum(prices.get(profile.params[p].name, 0.0) for p in bucket) for bucket in buckets])
     group = np.array([b for b, _, _ in share_items], dtype=np.int64)
     same_as_wfbp = len(share_items) == n and all(link == 0 for _, link, _ in share_items)
     if same_as_wfbp:
@@ -260,7 +280,8 @@ def solve_deft(
     coverage = float(share_loads.sum(axis=0).max() / capacity) if capacity > 0 else math.inf
     configs = [(np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))]
     if allow_period and max_period >= 2 and coverage > 1.0 / (1.0 + period_margin):
-        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period, pinned))
+        # a period K saves (1 - 1/K) of a bucket's load and costs (K - 1)/2 steps of staleness: never worth it at a price above the cost
+        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period, pinned | (price >= costs)))
 
     if n <= suffix_candidates:
         suffixes = list(range(n + 1))
@@ -269,7 +290,7 @@ def solve_deft(
     candidates: list[_Candidate] = []
     for period, offset in configs:
         amortised = costs / period
-        values = [0.0 if pinned[i] else float(c) - staleness_penalty_ms for i, c in enumerate(amortised)]
+        values = [0.0 if pinned[i] else float(c) - staleness_penalty_ms - float(price[i]) for i, c in enumerate(amortised)]
         f_weights, f_capacity, _ = discretise(amortised, t_f, units)
         forward_of_suffix = suffix_knapsacks(f_weights, values, f_capacity)
         for k in suffixes:
@@ -283,16 +304,17 @@ def solve_deft(
                 b_weights, b_units, _ = discretise(amortised[rest], b_capacity, units)
                 _, picked = knapsack_01(b_weights, [values[i] for i in rest], b_units)
                 kind[[rest[j] for j in picked]] = _BWD_NEXT
-            candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k))
-    best_time = min(c.iteration_ms for c in candidates)
-    best = min((c for c in candidates if c.iteration_ms <= best_time * (1 + tie_tolerance)),
-               key=lambda c: (c.delayed_bytes, c.periodic, c.iteration_ms, -c.suffix))
+            candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k, price))
+    best_cost = min(c.cost_ms for c in candidates)
+    best = min((c for c in candidates if c.cost_ms <= best_cost * (1 + tie_tolerance)),
+               key=lambda c: (c.delayed_bytes, c.periodic, c.cost_ms, -c.suffix))
     metadata = {"coverage_rate": coverage, "buckets": n, "links_used": link_ids,
                 "candidates": len(candidates), "suffix": best.suffix,
                 "period": int(best.period.max()), "delayed_buckets": int((best.kind != _SYNC).sum()),
                 "forward_knapsack": int((best.kind == _FWD).sum()),
                 "backward_knapsack": int((best.kind == _BWD_NEXT).sum()),
-                "periodic_buckets": int((best.period > 1).sum()), "kept_synchronous": int(pinned.sum())}
+                "periodic_buckets": int((best.period > 1).sum()), "kept_synchronous": int(pinned.sum()),
+                "staleness_price_ms": best.price_ms}
     if same_as_wfbp:  # all synchronous on the WFBP layout, measured as simulate() would
         ones, zeros = np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         wfbp_ms = evaluator.iteration_ms(np.full(n, _SYNC), zeros, ones, zeros, np.arange(n),
@@ -301,21 +323,23 @@ def solve_deft(
         wfbp_ms = simulate(profile, Plan("wfbp", synchronous), record=False, check=False).iteration_ms
     items = _items(share_items, best)
     plan = finish(profile, "deft", items, options, metadata)
-    if plan.predicted_iteration_ms >= wfbp_ms * (1 - tie_tolerance):
+    if plan.predicted_iteration_ms + best.price_ms >= wfbp_ms * (1 - tie_tolerance):
+        reason = "knapsack plan not faster than WFBP" + (" once its staleness is priced" if best.price_ms else "")
         return finish(profile, "deft", synchronous, options,
-                      {**metadata, "fallback": "knapsack plan not faster than WFBP",
-                       "knapsack_iteration_ms": plan.predicted_iteration_ms})
+                      {**metadata, "fallback": reason, "knapsack_iteration_ms": plan.predicted_iteration_ms})
     return plan
 
 
 def _score(evaluator: BucketScheduleEvaluator, kind: np.ndarray, period: np.ndarray,
-           offset: np.ndarray, group: np.ndarray, bucket_bytes: np.ndarray, suffix: int) -> _Candidate:
+           offset: np.ndarray, group: np.ndarray, bucket_bytes: np.ndarray, suffix: int,
+           price: np.ndarray) -> _Candidate:
     window = kind  # kind codes are the simulator's window codes (0, 1, 2)
     delay = (kind != _SYNC).astype(np.int64)
     rank = _issue_rank(kind, group)
     iteration = evaluator.iteration_ms(window, delay, period, offset, rank)
-    return _Candidate(iteration, int(bucket_bytes[kind != _SYNC].sum()), bool((period > 1).any()),
-                      suffix, kind, period, offset)
+    staleness = delay + (period - 1) / 2.0  # mean steps by which each bucket's applied gradient lags
+    return _Candidate(iteration, float((price * staleness).sum()), int(bucket_bytes[kind != _SYNC].sum()),
+                      bool((period > 1).any()), suffix, kind, period, offset)
 
 
 def _issue_rank(kind: np.ndarray, group: np.ndarray) -> np.ndarray:

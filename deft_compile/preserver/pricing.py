@@ -1,0 +1,133 @@
+"""The Preserver's trade: what one step of staleness on each parameter costs, in milliseconds per step.
+
+Delaying a bucket (or giving it an update period) saves communication time per
+step and costs convergence. To weigh one against the other both must be in the
+same unit. A first-order model gives it: a step's progress on the loss is
+``Σ_p g_p · Δw_p``; applying a stale gradient changes parameter p's part by
+the relative gradient change ``e_p = ‖Δg_p‖ / ‖g_p‖`` (measured on the same
+minibatch, :mod:`deft_compile.preserver.staleness`), and parameter p carries the
+share ``‖g_p‖² / Σ_q ‖g_q‖²`` of the progress. So one step of staleness on p
+loses about
+
+    s_p = ‖Δg_p‖ · ‖g_p‖ / Σ_q ‖g_q‖²
+
+of a step's progress, and time to a given loss grows by that fraction of the
+step time: the price of p is ``staleness_price × s_p × step_ms`` ms per step
+and per step of staleness. The shares add up over parameters, so a bucket's
+price is the sum over its parameters however the plan buckets them.
+``staleness_price`` (κ, default 1) scales the first-order estimate: momentum
+and Adam carry a stale error into later steps, which the estimate ignores.
+
+The solver then keeps a delay (or period) only where the time it hides beats
+its price (``solve_deft(staleness_prices=...)``): partial delays, smaller
+periods, or none, instead of all-or-nothing pins.
+
+Measurements cost two eager forward/backward passes. ``ProbeSchedule`` spaces
+them out while decisions are stable (the interval doubles up to a limit, and
+never lets probes take more than ``probe_budget`` of the step time), and goes
+back to the base interval after a decision changes the plan.
+
+Pure Python, no torch: the monitor measures, this decides.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def progress_shares(changes: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Per parameter, the share of a step's progress one step of staleness loses: ‖Δg_p‖·‖g_p‖ / Σ_q ‖g_q‖².
+
+    ``changes`` maps a parameter name to (‖Δg_p‖², ‖g_p‖²) on one minibatch (summed over ranks).
+    """
+    total = sum(g for _, g in changes.values())
+    if total <= 0:
+        return {name: 0.0 for name in changes}
+    return {name: math.sqrt(max(d, 0.0) * max(g, 0.0)) / total for name, (d, g) in changes.items()}
+
+
+@dataclass
+class StalenessPricer:
+    """Keeps each parameter's last ``window`` progress shares and prices their median."""
+
+    price_factor: float = 1.0
+    window: int = 3
+    _shares: dict[str, list[float]] = field(default_factory=dict)
+
+    def observe(self, changes: dict[str, tuple[float, float]]) -> None:
+        for name, share in progress_shares(changes).items():
+            self._shares[name] = (self._shares.get(name, []) + [share])[-self.window :]
+
+    @property
+    def ready(self) -> bool:
+        """Whether every parameter has a full window (the median ignores one spike)."""
+        return bool(self._shares) and all(len(values) == self.window for values in self._shares.values())
+
+    def medians(self) -> dict[str, float]:
+        return {name: statistics.median(values) for name, values in self._shares.items()}
+
+    def prices(self, step_ms: float) -> dict[str, float]:
+        """Parameter name -> ms per step per step of staleness (4 significant digits, so that a
+        re-measurement of the same dynamics gives the same options)."""
+        return {name: float(f"{self.price_factor * share * step_ms:.4g}") for name, share in self.medians().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shares": {name: list(values) for name, values in sorted(self._shares.items())}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._shares = {name: [float(v) for v in values] for name, values in state["shares"].items()}
+
+
+@dataclass
+class ProbeSchedule:
+    """When the next staleness measurement happens (1-based step numbers, the same on every rank).
+
+    Two early measurements (``every // 5`` and twice that) catch harm in the first steps; then one every
+    ``every`` steps. After a measurement that left the plan as it was, the interval doubles, up to
+    ``every × backoff``; after one that changed the plan it returns to ``every``. The interval never
+    lets the probes cost more than ``budget`` of the step time on average.
+    """
+
+    every: int
+    backoff: int = 8
+    budget: float = 0.05
+    interval: int = 0
+    next_step: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.interval:
+            self.interval = self.every
+        if not self.next_step and self.every:
+            self.next_step = max(1, self.every // 5)
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step == self.next_step
+
+    def postpone(self, steps: int) -> None:
+        """The measurement due now cannot run (a call that only accumulates, or nothing to price yet)."""
+        self.next_step += max(1, steps)
+
+    def after_measurement(self, step: int, *, changed: bool, probe_ms: float, step_ms: float) -> int:
+        """Schedule the next measurement after the one at ``step``; returns the interval chosen."""
+        early = max(1, self.every // 5)
+        if step < 2 * early:
+            self.next_step = 2 * early
+            return self.next_step - step
+        if step < self.every:
+            self.next_step = self.every
+            return self.next_step - step
+        longest = self.every * max(1, self.backoff)
+        self.interval = self.every if changed else min(longest, self.interval * 2)
+        if step_ms > 0 and self.budget > 0:  # probes at most `budget` of the training time
+            self.interval = max(self.interval, min(longest, math.ceil(probe_ms / (self.budget * step_ms))))
+        self.next_step = step + self.interval
+        return self.interval
+
+    def state_dict(self) -> dict[str, int]:
+        return {"interval": self.interval, "next_step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.interval, self.next_step = int(state["interval"]), int(state["next_step"])

@@ -1,0 +1,76 @@
+"""The Preserver's trade (deft_compile.preserver.pricing): prices from measured gradient changes, probe spacing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from deft_compile.preserver import Preserver, PreserverConfig
+from deft_compile.preserver.pricing import ProbeSchedule, StalenessPricer, progress_shares
+
+
+def test_progress_share_is_the_first_order_loss_of_one_stale_step():
+    # a: ‖g‖² = 4, ‖Δg‖² = 1 -> 1*2/5; b: ‖g‖² = 1, no change -> 0; total ‖g‖² = 5
+    shares = progress_shares({"a": (1.0, 4.0), "b": (0.0, 1.0)})
+    assert shares == {"a": pytest.approx(2.0 / 5.0), "b": 0.0}
+    # additive: splitting a parameter into two equal halves keeps the total share
+    halves = progress_shares({"a1": (0.5, 2.0), "a2": (0.5, 2.0), "b": (0.0, 1.0)})
+    assert halves["a1"] + halves["a2"] == pytest.approx(shares["a"])
+    assert progress_shares({"a": (1.0, 0.0)}) == {"a": 0.0}
+
+
+def test_pricer_prices_the_median_of_a_full_window():
+    pricer = StalenessPricer(price_factor=2.0, window=3)
+    for d in (1.0, 100.0, 1.0):  # one spike
+        assert not pricer.ready
+        pricer.observe({"a": (d, 4.0), "b": (0.0, 1.0)})
+    assert pricer.ready
+    share = math.sqrt(1.0 * 4.0) / 5.0
+    assert pricer.prices(step_ms=10.0) == {"a": pytest.approx(2.0 * share * 10.0), "b": 0.0}
+    clone = StalenessPricer(2.0, 3)
+    clone.load_state_dict(pricer.state_dict())
+    assert clone.prices(10.0) == pricer.prices(10.0)
+
+
+def test_probes_back_off_while_stable_and_return_after_a_change():
+    probes = ProbeSchedule(every=25, backoff=4, budget=0.0)
+    due = [s for s in range(1, 30) if probes.due(s)]
+    assert due == [5]
+    assert probes.after_measurement(5, changed=False, probe_ms=1, step_ms=10) == 5  # early: 10 next
+    assert probes.after_measurement(10, changed=False, probe_ms=1, step_ms=10) == 15  # then 25
+    assert probes.due(25)
+    intervals = [probes.after_measurement(step, changed=False, probe_ms=1, step_ms=10) for step in (25, 75, 175, 375)]
+    assert intervals == [50, 100, 100, 100], "doubles up to every x backoff"
+    assert probes.after_measurement(475, changed=True, probe_ms=1, step_ms=10) == 25
+    assert probes.next_step == 500
+
+
+def test_probes_never_cost_more_than_their_budget():
+    probes = ProbeSchedule(every=10, backoff=100, budget=0.05)
+    probes.after_measurement(2, changed=False, probe_ms=50, step_ms=10)
+    probes.after_measurement(4, changed=False, probe_ms=50, step_ms=10)
+    # a 50 ms probe at 5 % of a 10 ms step: at least 100 steps apart
+    assert probes.after_measurement(10, changed=True, probe_ms=50, step_ms=10) == 100
+
+
+def test_trade_mode_options_carry_prices_or_go_synchronous():
+    preserver = Preserver(PreserverConfig(staleness_window=1), base_options={"bucket_cap_bytes": 2},
+                          max_period=4, mean_comm_ms=2.0)
+    assert preserver.trade(5, {"a": (1.0, 4.0)}, step_ms=10.0) == {"a": pytest.approx(5.0)}  # 10 ms x 2 x 1 / 4
+    assert "staleness_prices" not in preserver.options, "prices count once adopted"
+    event = preserver.record_trade(5, {"a": 4.0}, False, {}, "test")
+    assert preserver.options["staleness_prices"] == {"a": 4.0} and "<1 parameters>" in str(event)
+    assert "staleness_prices" not in preserver.unpriced_options()
+    preserver.record_trade(30, {"a": 4.0}, True, {}, "priced out")
+    assert preserver.options["max_staleness"] == 0 and "staleness_prices" not in preserver.options
+    restored = Preserver(PreserverConfig(staleness_window=1), base_options={"bucket_cap_bytes": 2}, max_period=4)
+    restored.load_state_dict(preserver.state_dict())
+    assert restored.options == preserver.options
+
+
+def test_trade_config_is_validated():
+    with pytest.raises(ValueError):
+        PreserverConfig(staleness_price=-1)
+    with pytest.raises(ValueError):
+        PreserverConfig(probe_backoff=0)
