@@ -10,7 +10,8 @@ Rates: per model, a calibration launch measures the no-communication step (``flo
 bytes; the link is shaped (``tc tbf`` in a network namespace, root needed) so that one all-reduce of all
 gradients takes ``CR x floor`` for each coverage rate CR in ``--coverage`` (default 1 and 2).
 Variants per launch (interleaved rounds in one process pair, ``deft_compile.tools.bench.run_config``):
-floor, torch DDP and every policy. ``--launches`` launches (default 3) per (model, rate); the table gives
+floor, torch DDP, torch.compile(DDP) (``--no-compiled-ddp`` leaves it out: its Inductor compile takes minutes
+per model on this CPU) and every policy. ``--launches`` launches (default 3) per (model, rate); the table gives
 per variant the median over launches of the step time and of the paired ratio to DDP, with the spread
 (min-max over launches). The machine this runs on may be shared: read the spread.
 """
@@ -34,6 +35,7 @@ from deft_compile.tools import bench  # noqa: E402
 SUITE_MODELS = ("vgg16-bn", "resnet50", "gpt2-small-hf", "bert-base-hf")
 QUICK_MODELS = ("vgg16-bn-tiny", "gpt2-hf-tiny")
 POLICIES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync")
+BASELINES = (bench.COMPILED_DDP,)  # torch.compile(DDP(model)), beside eager DDP
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 
 
@@ -146,7 +148,9 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.emulate_accelerator:
         os.environ["DEFT_EMULATE_ACCELERATOR"] = "1"  # inherited by the spawned workers (deft_compile.tools.emulation)
     models = args.models or (QUICK_MODELS if args.quick else SUITE_MODELS)
-    policies = args.policies or (("wfbp", "deft") if args.quick else POLICIES)
+    policies = list(args.policies or (("wfbp", "deft") if args.quick else POLICIES))
+    if not args.no_compiled_ddp and not args.quick:
+        policies = list(BASELINES) + policies
     shaping = bench.shaping_available() is None and not args.unshaped
     results = []
     for model in models:
@@ -175,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unshaped", action="store_true", help="do not shape links even as root")
     parser.add_argument("--models", nargs="*")
     parser.add_argument("--policies", nargs="*")
+    parser.add_argument("--no-compiled-ddp", action="store_true", help="leave out the torch.compile(DDP) baseline")
     parser.add_argument("--coverage", type=float, nargs="*", default=[1.0, 2.0])
     parser.add_argument("--launches", type=int)
     parser.add_argument("--steps", type=int)

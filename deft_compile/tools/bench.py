@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Sequence
 MiB = 1 << 20
 POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync")
 DEFAULT_POLICIES = ("wfbp", "bytescheduler", "usbyte", "deft")
+COMPILED_DDP = "ddp-compiled"  # a baseline variant run_config accepts among its policies: torch.compile(DDP(model))
 # Kept here (not imported from bench_models) so that building the CLI parser does not import torch:
 # `deft-compile simulate` must work without it. tests/test_bench.py checks they match bench_models.
 MODEL_NAMES = ("mlp", "vgg", "resnet", "gpt2", "vgg11", "vgg16", "vgg19", "resnet18", "resnet50", "resnet101",
@@ -157,6 +158,9 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         models[name] = model
         if name == "ddp":
             runners[name] = eager_step(nn.parallel.DistributedDataParallel(model), optimizer, preset.loss_fn)
+        elif name == COMPILED_DDP:  # torch.compile(DDP): Dynamo splits the graph at DDP's buckets (DDPOptimizer)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            runners[name] = eager_step(torch.compile(ddp), optimizer, preset.loss_fn)
         elif name == "floor":
             step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo,
                                 config=DeftConfig(compiler=cfg.get("compiler", "aten")))
