@@ -109,6 +109,9 @@ def test_time_to_target_interpolates_linearly():
     assert tta.time_to_target(curve, 6.0) == 0.0
     # first crossing, not the last point: a curve that dips, rises and falls again
     assert tta.time_to_target([(0, 5.0), (10, 2.0), (20, 3.0), (30, 1.0)], 2.5) == pytest.approx(25 / 3)
+    # a round-off miss (a synchronous plan vs DDP) reaches it; a real one does not
+    assert tta.time_to_target([(0, 5.0), (10, 2.0 * (1 + 2e-5))], 2.0) == pytest.approx(10.0)
+    assert tta.time_to_target([(0, 5.0), (10, 2.0 * (1 + 1e-3))], 2.0) is None
 
 
 def _variant(times, losses, step_s, *, traced=None, probed=None, trace_s=None, flush_s=0.0, sync_s=0.0):
