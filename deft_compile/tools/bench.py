@@ -613,6 +613,14 @@ def _run_grid(args: argparse.Namespace, models: list[str], bandwidths: list[str 
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "time_to_accuracy", False):  # issue 16: deft_compile/tools/time_to_accuracy.py
+        from deft_compile.tools.time_to_accuracy import run_cli
+
+        return run_cli(args)
+    # --steps, --bandwidth and --timeout default to None so --time-to-accuracy can tell "not given"; here:
+    args.steps = 20 if args.steps is None else args.steps
+    args.bandwidth = "1gbit" if args.bandwidth is None else args.bandwidth
+    args.timeout = 900.0 if args.timeout is None else args.timeout
     from deft_compile.tools.bench_models import describe, resolve_model
     from deft_compile.tools.netns import created_namespaces
 
@@ -694,24 +702,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"comma-separated deft_compile policies from {','.join(POLICY_CHOICES)} "
                              f"(default {','.join(DEFAULT_POLICIES)}); torch DDP and the floor always run")
     parser.add_argument("--workers", type=int, default=2, help="local workers, one intra-op thread each (default 2)")
-    parser.add_argument("--bandwidth", default="1gbit",
+    parser.add_argument("--bandwidth", default=None,
                         help="comma-separated tc rates (1gbit, 200mbit) or 'none' for the unshaped loopback "
-                             "(default 1gbit; shaping needs root and iproute2)")
+                             "(default 1gbit; shaping needs root and iproute2; with --time-to-accuracy one rate, "
+                             "default: calibrated so that DDP's coverage rate is --coverage)")
     parser.add_argument("--bandwidth2", default=None, help="rate of link2 with --links 2 (default: --bandwidth)")
     parser.add_argument("--links", type=int, choices=(1, 2), default=1,
                         help="1: shaped loopback shared by all workers; 2: two hosts joined by two shaped veth links, "
                              "deft uses both (2 workers)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per variant (default 20; with --time-to-accuracy: training steps, default 300)")
     parser.add_argument("--warmup", type=int, default=3, help="discarded steps per variant (default 3)")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds the timed steps are split into")
     parser.add_argument("--batch", type=int, default=None, help="batch per worker (default: the model's)")
     parser.add_argument("--json", help="write every number (samples, plans, profiles) to this file")
     parser.add_argument("--plot", help="write a bar chart (step time / floor) to this PNG, and deft's simulated "
                                        "timeline next to it")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before one launch's workers are killed")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before one launch's workers are killed (default 900; --time-to-accuracy: 6 h)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--compiler", choices=("aten", "inductor"), default="aten",
                         help="what runs the compiled variants' graphs (default aten: the same kernels as eager DDP, so "
                              "the ratios measure the schedule; inductor compiles each graph variant, about a minute "
                              "each on a cold cache here)")
+    tta = parser.add_argument_group(
+        "time to accuracy (issue 16)",
+        "--time-to-accuracy trains a GPT-2 (transformers config, bytes) on the stdlib's sources with DDP, deft, deft "
+        "without the Preserver and deft without update periods, same weights and batches, and reports validation "
+        "loss against wall-clock time and the time each needs to reach DDP's final validation loss "
+        "(docs/TIME_TO_ACCURACY.md). Uses --steps, --bandwidth, --workers, --batch, --compiler, --json, --plot "
+        "(PNG name stem: <stem>_time.png, <stem>_steps.png), --timeout, --no-progress; ignores the others.")
+    tta.add_argument("--time-to-accuracy", action="store_true", help="run the time-to-accuracy benchmark instead")
+    tta.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds, one launch each (default 0 1)")
+    tta.add_argument("--size", choices=("tiny", "small", "medium"), default="small",
+                     help="GPT-2 size: tiny 0.1 M (tests), small 6.1 M (default), medium 10 M parameters")
+    tta.add_argument("--eval-every", type=int, default=None, help="steps between validation losses (default 25)")
+    tta.add_argument("--chunk", type=int, default=None,
+                     help="steps a variant trains before the next runs, round-robin (default 25)")
+    tta.add_argument("--coverage", type=float, default=1.0,
+                     help="DDP coverage rate the calibrated link aims at (default 1.0)")
     parser.set_defaults(func=run_bench)

@@ -1,0 +1,91 @@
+"""Issue 16: the time to DDP's final validation loss, DDP vs deft, on a shaped link (docs/TIME_TO_ACCURACY.md).
+
+    sudo python benchmarks/time_to_accuracy.py                        # calibrated to coverage rate ~1, seeds 0 1
+    python benchmarks/time_to_accuracy.py --bandwidth none --size tiny --steps 40 --docs '' --out /tmp/tta
+
+A GPT-2 (``transformers`` config, random weights, bytes) trained on this Python's standard-library sources by 2
+gloo workers: DDP, deft (defaults: delays and update periods, Preserver on), deft without the Preserver, deft
+without update periods; same initial weights, same batches, interleaved in chunks in one process pair. Writes
+``<out>/time_to_accuracy.json`` (or ``--json``), ``<out>/time_to_accuracy_time.png`` and ``..._steps.png``,
+prints the table and rewrites the results section of ``--docs`` between ``<!-- tta:begin -->`` and
+``<!-- tta:end -->``. Everything is in ``deft_compile.tools.time_to_accuracy``; ``deft-compile bench
+--time-to-accuracy`` runs the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))
+    from deft_compile.tools.bench import parse_rate
+    from deft_compile.tools.time_to_accuracy import (
+        DEFAULT_VARIANTS,
+        SIZES,
+        VARIANTS,
+        TTAConfig,
+        run_benchmark,
+    )
+
+    defaults = TTAConfig()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    parser.add_argument("--chunk", type=int, default=defaults.chunk,
+                        help="steps a variant trains before the next one runs (round-robin, rotating order)")
+    parser.add_argument("--bandwidth", default=None,
+                        help="tc rate (e.g. 300mbit) or 'none' for the unshaped loopback; default: calibrate the "
+                             "rate so that DDP's coverage rate is --coverage (root and iproute2)")
+    parser.add_argument("--coverage", type=float, default=1.0)
+    parser.add_argument("--size", choices=list(SIZES), default=defaults.size)
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="windows per worker and step")
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--val-windows", type=int, default=defaults.val_windows)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="bucket cap for DDP and every deft variant (default: DDP's 25 MiB)")
+    parser.add_argument("--compiler", choices=("aten", "inductor"), default=defaults.compiler)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--emulate-accelerator", action="store_true",
+                        help="compute thread on core 0, gloo's threads on core 1 (DESIGN.md section 5)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "img"), help="folder of the PNGs (and default JSON)")
+    parser.add_argument("--json", default=None, help="results file (default <out>/time_to_accuracy.json)")
+    parser.add_argument("--docs", default=str(ROOT / "docs" / "TIME_TO_ACCURACY.md"),
+                        help="markdown file whose tta section is rewritten ('' to skip)")
+    parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per launch (one seed)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.emulate_accelerator:
+        os.environ["DEFT_EMULATE_ACCELERATOR"] = "1"  # inherited by the spawned workers
+    try:
+        bandwidth = "calibrate" if args.bandwidth is None else parse_rate(args.bandwidth)
+        cfg = TTAConfig(size=args.size, steps=args.steps, eval_every=args.eval_every, chunk=args.chunk,
+                        batch=args.batch, lr=args.lr, val_windows=args.val_windows, compiler=args.compiler,
+                        bucket_cap_mb=args.bucket_cap_mb, variants=tuple(args.variants),
+                        progress=not args.no_progress)
+    except ValueError as error:
+        parser.error(str(error))
+    out = Path(args.out)
+    command = "python benchmarks/time_to_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:
+        run_benchmark(cfg, args.seeds, bandwidth=bandwidth, coverage=args.coverage, workers=args.workers,
+                      timeout_s=args.timeout, json_path=args.json or out / "time_to_accuracy.json", plot_dir=out,
+                      docs_path=args.docs or None, command=command.strip())
+    except RuntimeError as error:
+        print(f"time_to_accuracy: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Issue 16's time-to-accuracy benchmark: one real end-to-end run (tiny GPT-2, 2 gloo workers, unshaped loopback,
+a few steps; about 30-40 s) and unit tests of its analysis."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from deft_compile.tools import cli
+from deft_compile.tools import time_to_accuracy as tta
+
+STEPS, EVAL_EVERY = 8, 4
+VARIANTS = (*tta.DEFAULT_VARIANTS, "deft-sync")
+DOCS = "# Title\n\nintro\n\n## Results\n\n<!-- tta:begin -->\nNot yet run.\n<!-- tta:end -->\n\ntail text\n"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tta")
+    docs = out / "TTA.md"
+    docs.write_text(DOCS)
+    cfg = tta.TTAConfig(size="tiny", steps=STEPS, eval_every=EVAL_EVERY, chunk=3, batch=2, val_windows=8,
+                        corpus_bytes=300_000, variants=VARIANTS, progress=False)
+    record = tta.run_benchmark(cfg, [0], bandwidth=None, measure_cr=False, timeout_s=240, json_path=out / "tta.json",
+                               plot_dir=out, docs_path=docs, command="pytest", log=lambda message: None)
+    return record, out, docs
+
+
+def test_every_variant_is_evaluated_on_the_same_schedule(run):
+    record, _, _ = run
+    variants = record["runs"]["0"]["variants"]
+    assert list(variants) == list(VARIANTS)
+    for name, value in variants.items():
+        evals = value["evals"]
+        assert [e["step"] for e in evals] == [0, 4, 8], name
+        times = [e["time_s"] for e in evals]
+        assert times[0] == 0.0 and all(b > a for a, b in itertools.pairwise(times)), (name, times)
+        assert all(math.isfinite(e["val_loss"]) for e in evals)
+        assert len(value["step_s"]) == len(value["train_loss"]) == STEPS
+        assert value["train_s"] >= times[-1] - 1e-9
+    assert variants["ddp"]["evals"][-1]["val_loss"] < variants["ddp"]["evals"][0]["val_loss"]  # it trained
+
+
+def test_all_variants_start_from_the_same_weights(run):
+    record, _, _ = run
+    first = {name: v["evals"][0]["val_loss"] for name, v in record["runs"]["0"]["variants"].items()}
+    assert len(set(first.values())) == 1, first
+    assert first["ddp"] == pytest.approx(math.log(256), rel=0.05)  # random init: about uniform over bytes
+
+
+def test_a_synchronous_deft_plan_trains_exactly_like_ddp(run):
+    """Same weights, same batches, same schedule: a plan without delays or periods must reproduce DDP's
+    validation losses (AdamW, aten graphs: round-off only). Fails if batches, schedule or flushes differ."""
+    record, _, _ = run
+    variants = record["runs"]["0"]["variants"]
+    sync = variants["deft-sync"]
+    assert all(h["delayed_items"] == 0 and h["max_period"] == 1 for h in sync["plan_history"])
+    ddp_losses = [e["val_loss"] for e in variants["ddp"]["evals"]]
+    assert [e["val_loss"] for e in sync["evals"]] == pytest.approx(ddp_losses, rel=1e-4)
+    assert sync["train_loss"] == pytest.approx(variants["ddp"]["train_loss"], rel=1e-4)
+
+
+def test_summary_and_overheads(run):
+    record, _, _ = run
+    summary = record["summary"]
+    rows = summary["per_seed"][0]
+    ddp_final = record["runs"]["0"]["variants"]["ddp"]["evals"][-1]["val_loss"]
+    assert rows["ddp"]["target"] == ddp_final and rows["ddp"]["speedup"] == pytest.approx(1.0)
+    assert rows["deft-sync"]["final_vs_ddp"] == pytest.approx(0.0, abs=1e-4)
+    for name, row in rows.items():
+        over = row["overheads"]
+        for key in ("first_step", "retrace", "probe", "flush", "chunk_sync", "runtime"):
+            assert 0.0 <= over[f"{key}_share"] <= 1.0, (name, key, over)
+        parts = over["runtime_s"] + over["flush_s"] + over["chunk_sync_s"]
+        assert parts <= over["train_s"] * 1.001, (name, over)
+        if name != "ddp":
+            assert over["first_step_s"] > 0  # profiling + planning + the first trace
+            assert row["trace_count"] >= 1
+    assert summary["targets"] is not None and isinstance(summary["targets"]["speedup_met"], bool)
+
+
+def test_outputs_written(run):
+    record, out, docs = run
+    saved = json.loads((out / "tta.json").read_text())
+    assert saved["summary"]["aggregate"].keys() == set(VARIANTS)
+    assert sorted(p.split("/")[-1] for p in record["pngs"]) in ([], ["time_to_accuracy_steps.png",
+                                                                     "time_to_accuracy_time.png"])
+    for png in record["pngs"]:
+        assert (out / png.split("/")[-1]).stat().st_size > 1000
+    text = docs.read_text()
+    assert "Not yet run" not in text and "| variant | final val loss |" in text
+    assert text.startswith("# Title\n\nintro\n") and text.endswith("<!-- tta:end -->\n\ntail text\n")
+    assert text.count(tta.BEGIN) == 1 and text.count(tta.END) == 1
+
+
+# --------------------------------------------------------------------------- pure
+
+
+def test_time_to_target_interpolates_linearly():
+    curve = [(0.0, 5.0), (10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
+    assert tta.time_to_target(curve, 2.5) == pytest.approx(15.0)
+    assert tta.time_to_target(curve, 2.0) == pytest.approx(20.0)
+    assert tta.time_to_target(curve, 1.5) == pytest.approx(30.0)
+    assert tta.time_to_target(curve, 1.49) is None
+    assert tta.time_to_target(curve, 6.0) == 0.0
+    # first crossing, not the last point: a curve that dips, rises and falls again
+    assert tta.time_to_target([(0, 5.0), (10, 2.0), (20, 3.0), (30, 1.0)], 2.5) == pytest.approx(25 / 3)
+    # a round-off miss (a synchronous plan vs DDP) reaches it; a real one does not
+    assert tta.time_to_target([(0, 5.0), (10, 2.0 * (1 + 2e-5))], 2.0) == pytest.approx(10.0)
+    assert tta.time_to_target([(0, 5.0), (10, 2.0 * (1 + 1e-3))], 2.0) is None
+
+
+def _variant(times, losses, step_s, *, traced=None, probed=None, trace_s=None, flush_s=0.0, sync_s=0.0):
+    steps = [0, *range(10, 10 * len(times), 10)]
+    return {"evals": [{"step": s, "time_s": t, "val_loss": v} for s, t, v in zip(steps, times, losses)],
+            "step_s": step_s, "traced": traced or [0.0] * len(step_s), "probed": probed or [0.0] * len(step_s),
+            "trace_s": trace_s or [0.0] * len(step_s), "flush_s": flush_s, "sync_s": sync_s, "train_s": times[-1]}
+
+
+def test_summarise_hand_made_run():
+    plain = [0.5] * 20
+    run = {"variants": {
+        "ddp": _variant([0.0, 10.0, 20.0], [5.0, 3.0, 2.0], [1.0] * 20),
+        "deft": _variant([0.0, 5.0, 10.0], [5.0, 2.5, 1.9], plain),
+        "slow": _variant([0.0, 30.0, 60.0], [5.0, 2.6, 2.1], [3.0] * 20),
+    }}
+    summary = tta.summarise({0: run})
+    rows = summary["per_seed"][0]
+    assert rows["ddp"]["time_to_target_s"] == pytest.approx(20.0)
+    assert rows["deft"]["time_to_target_s"] == pytest.approx(5 + 5 * 0.5 / 0.6)
+    assert rows["deft"]["speedup"] == pytest.approx(20.0 / (5 + 5 * 0.5 / 0.6))
+    assert rows["deft"]["final_vs_ddp"] == pytest.approx(-0.05)
+    assert rows["deft"]["step_speedup"] == pytest.approx(2.0)
+    assert rows["deft"]["steps_to_target"] == pytest.approx(10 + 10 * 0.5 / 0.6)
+    assert rows["slow"]["time_to_target_s"] is None and rows["slow"]["speedup"] is None
+    assert summary["aggregate"]["slow"]["reached"] == 0 and summary["aggregate"]["deft"]["reached"] == 1
+    targets = summary["targets"]
+    assert targets["speedup_met"] and targets["final_met"]
+    table = tta.markdown_table(summary)
+    assert "| slow |" in table and "never" in table.split("| slow |")[1]
+
+
+def test_overheads_split_first_step_retraces_and_probes():
+    step_s = [2.1, 0.1, 0.1, 0.6, 0.4, 0.1, 0.9]
+    value = {"step_s": step_s, "traced": [1, 0, 0, 1, 0, 0, 1], "probed": [0, 0, 0, 0, 1, 0, 1],
+             "trace_s": [2.0, 0, 0, 0.5, 0, 0, 0.3], "flush_s": 0.2, "sync_s": 0.1, "train_s": 5.0}
+    over = tta.overheads(value)
+    assert over["base_step_s"] == pytest.approx(0.1)
+    assert over["first_step_s"] == pytest.approx(2.0)
+    assert over["retrace_s"] == pytest.approx(0.5 + 0.3)  # the last call: its trace's 0.3 s ...
+    assert over["probe_s"] == pytest.approx(0.3 + 0.5)  # ... and the rest of its 0.8 s excess
+    assert over["runtime_share"] == pytest.approx((2.0 + 0.8 + 0.8) / 5.0)
+    assert over["flush_share"] == pytest.approx(0.04) and over["chunk_sync_share"] == pytest.approx(0.02)
+
+
+def test_batches_are_deterministic_and_split_across_ranks():
+    corpus = torch.arange(10_000, dtype=torch.int64) % 251
+    common = {"context": 16, "batch": 3, "steps": 5, "seed": 7, "world_size": 2, "val_windows": 6}
+    r0, r1 = tta.TextBatches(corpus, rank=0, **common), tta.TextBatches(corpus, rank=1, **common)
+    again = tta.TextBatches(corpus, rank=0, **common)
+    assert torch.equal(r0.batch_at(3)[0], again.batch_at(3)[0])  # same seed: same samples, whatever variant
+    assert not torch.equal(r0.batch_at(3)[0], r1.batch_at(3)[0])
+    assert torch.equal(r0.batch_at(2)[0], r0.batch_at(2)[1])  # labels are the inputs (the model shifts them)
+    assert (r0.starts + 16 <= r0.train.numel()).all()  # training windows stay in the training split
+    assert sum(v.shape[0] for v in r0.validation()) + sum(v.shape[0] for v in r1.validation()) == 6
+    other = tta.TextBatches(corpus, rank=0, **{**common, "seed": 8})
+    assert not torch.equal(r0.batch_at(0)[0], other.batch_at(0)[0])
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    factor = tta.lr_lambda(100, 10, 0.1)
+    assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
+    assert factor(10) == pytest.approx(1.0) and factor(100) == pytest.approx(0.1)
+    assert all(factor(t) >= factor(t + 1) for t in range(10, 100))
+
+
+def test_docs_section_is_replaced_between_markers(tmp_path):
+    path = tmp_path / "doc.md"
+    path.write_text(DOCS)
+    tta.write_docs_section(path, "new body")
+    tta.write_docs_section(path, "newer body")
+    assert path.read_text() == DOCS.replace("Not yet run.", "newer body")
+
+
+def test_cli_dispatches_to_the_benchmark(monkeypatch):
+    seen = {}
+
+    def fake(cfg, seeds, **kwargs):
+        seen.update(cfg=cfg, seeds=seeds, **kwargs)
+        return {}
+
+    monkeypatch.setattr(tta, "run_benchmark", fake)
+    code = cli.main(["bench", "--time-to-accuracy", "--size", "tiny", "--steps", "12", "--eval-every", "4",
+                     "--seeds", "3", "4", "--bandwidth", "none", "--no-progress"])
+    assert code == 0
+    assert seen["cfg"].size == "tiny" and seen["cfg"].steps == 12 and seen["cfg"].eval_every == 4
+    assert seen["seeds"] == [3, 4] and seen["bandwidth"] is None
+    code = cli.main(["bench", "--time-to-accuracy", "--size", "tiny", "--no-progress"])
+    assert code == 0 and seen["bandwidth"] == "calibrate" and seen["cfg"].steps == tta.TTAConfig.steps
