@@ -39,33 +39,6 @@ BASELINES = (bench.COMPILED_DDP,)  # torch.compile(DDP(model)), beside eager DDP
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 
 
-def rate_for(gradient_bytes: int, floor_ms: float, coverage: float) -> str:
-    """A first guess of the shaped rate at which all-reducing ``gradient_bytes`` over 2 workers takes
-    ``coverage x floor_ms``: a 2-worker ring sends the gradient's bytes once per worker, and both workers'
-    traffic crosses the one shaped loopback qdisc (DESIGN.md §5), so twice the bytes go through it.
-    ``calibrated_rate`` corrects the guess with measurements."""
-    bits = 2 * gradient_bytes * 8
-    mbit = bits / (coverage * floor_ms / 1e3) / 1e6
-    return f"{max(1, int(round(mbit)))}mbit"
-
-
-def calibrated_rate(model: str, first_guess: str, target: float, common: dict[str, Any], tries: int = 2) -> str:
-    """Shape, measure the coverage rate (all-reduce of all gradients / floor, in one launch), rescale the rate
-    by measured / target, at most ``tries`` times or until within 15 % (protocol overhead and the shaper's
-    burst make the first guess off by up to 2x)."""
-    rate = first_guess
-    for _ in range(tries):
-        probe = bench.run_config(model, rate, **{**common, "policies": [], "include_ddp": False})
-        measured = probe.get("coverage_rate")
-        if not measured:
-            break
-        print(f"{model}: {rate} gives coverage rate {measured:.2f} (target {target})", flush=True)
-        if abs(measured / target - 1) <= 0.15:
-            break
-        rate = f"{max(1, int(round(int(rate[:-4]) * measured / target)))}mbit"
-    return rate
-
-
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per variant: median and min/max over launches of step ms, paired ratio to DDP, ratio to floor."""
     out: dict[str, dict[str, Any]] = {}
@@ -158,10 +131,7 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
                       progress=False, label=model, timeout_s=args.timeout)
         rates: list[tuple[str | None, float | None]] = [(None, None)]
         if shaping:
-            calibration = bench.run_config(model, None, **{**common, "policies": [], "include_ddp": False})
-            floor_ms = calibration["rows"]["floor"]["step_ms"]
-            rates = [(calibrated_rate(model, rate_for(calibration["gradient_bytes"], floor_ms, cr), cr, common), cr)
-                     for cr in args.coverage]
+            rates = [(bench.calibrate_rate(model, cr, common)[0], cr) for cr in args.coverage]
         for rate, target in rates:
             runs = [bench.run_config(model, rate, **common) for _ in range(args.launches)]
             coverage = statistics.median([r["coverage_rate"] for r in runs if r.get("coverage_rate")] or [0.0])

@@ -525,6 +525,36 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
     }
 
 
+def rate_for(gradient_bytes: int, floor_ms: float, coverage: float) -> str:
+    """A first guess of the shaped rate at which all-reducing ``gradient_bytes`` over 2 workers takes
+    ``coverage x floor_ms``: a 2-worker ring sends the gradient's bytes once per worker, and both workers'
+    traffic crosses the one shaped loopback qdisc (DESIGN.md §5), so twice the bytes go through it.
+    ``calibrate_rate`` corrects the guess with measurements."""
+    mbit = 2 * gradient_bytes * 8 / (coverage * floor_ms / 1e3) / 1e6
+    return f"{max(1, int(round(mbit)))}mbit"
+
+
+def calibrate_rate(model: str, target: float, common: dict[str, Any], *, tries: int = 3,
+                   log: Callable[[str], None] = print) -> tuple[str, float | None, dict[str, Any]]:
+    """A ``tc`` rate at which DDP's coverage rate (all-reduce of all gradients / no-communication floor step,
+    as ``run_config`` measures them) is within 15 % of ``target``. One unshaped launch gives the floor and the
+    gradient bytes for ``rate_for``'s guess; then shape, measure, and rescale by measured / target, at most
+    ``tries`` times (protocol overhead and the shaper's burst put the first guess off by up to 2x). The rate
+    returned is always one that was measured. Returns (rate, its measured coverage rate, the unshaped run)."""
+    probe_options = {**common, "policies": [], "include_ddp": False}
+    unshaped = run_config(model, None, **probe_options)
+    rate = rate_for(unshaped["gradient_bytes"], unshaped["rows"]["floor"]["step_ms"], target)
+    measured = None
+    for attempt in range(tries):
+        measured = run_config(model, rate, **probe_options).get("coverage_rate")
+        log(f"{model}: {rate} gives coverage rate {measured if measured is None else round(measured, 2)} "
+            f"(target {target:g})")
+        if not measured or abs(measured / target - 1) <= 0.15 or attempt == tries - 1:
+            break
+        rate = f"{max(1, int(round(int(rate[:-4]) * measured / target)))}mbit"
+    return rate, measured, unshaped
+
+
 def format_table(runs: Sequence[dict[str, Any]]) -> str:
     """The results table: one line per (model, network, variant)."""
     header = (f"{'model':<12}{'network':<14}{'variant':<14}{'step ms':>9}{'median':>8}{'vs floor':>9}{'vs DDP':>8}"

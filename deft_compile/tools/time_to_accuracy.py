@@ -395,6 +395,8 @@ class _Variant:
         }
         if self.deft is not None:
             out.update(_plan_record(self.deft))
+            out["runtime_overheads"] = {key: reduced([float(v)], dist.ReduceOp.MAX)[0]
+                                        for key, v in sorted(self.deft.overheads.items())}
         return out
 
 
@@ -491,8 +493,9 @@ def overheads(value: dict[str, Any]) -> dict[str, float | None]:
     ``base_step_s`` is the median of its plain steps (after the first; no graph captured, no staleness
     measurement). ``first_step``: the first call's excess over it (profiling, planning, first trace);
     ``retrace``: excess of later calls that captured a graph; ``probe``: excess of calls in which the Preserver
-    measured the staleness error (a call that did both: the trace's own seconds, ``trace_s``, go to
-    ``retrace``, the rest of the excess to ``probe``); ``flush``: evaluation flushes, including the flush
+    measured the staleness error, or the runtime's own measurement of them when the record has it
+    (``runtime_overheads``: ``CompiledStep.overheads``; a call that did both: the trace's own seconds,
+    ``trace_s``, go to ``retrace``); ``flush``: evaluation flushes, including the flush
     graphs they traced (applying pending gradients early: an artifact of evaluating); ``chunk_sync``:
     chunk-boundary and pre-evaluation barriers (they absorb the communication left in flight, which a run
     without interleaving would overlap with the next step). Shares are clamped to [0, 1]."""
@@ -512,6 +515,9 @@ def overheads(value: dict[str, Any]) -> dict[str, float | None]:
             retrace += excess
         elif probed[i]:
             probe += excess
+    measured = value.get("runtime_overheads")
+    if measured is not None:  # the runtime's own account of its staleness measurements (CompiledStep.overheads)
+        probe = measured["probe_seconds"]
     seconds = {"first_step": first, "retrace": retrace, "probe": probe, "flush": value.get("flush_s", 0.0),
                "chunk_sync": value.get("sync_s", 0.0)}
     total = value["train_s"]
@@ -759,28 +765,13 @@ def results_section(record: dict[str, Any], docs_dir: Path | None = None) -> str
 
 def calibrate_rate(size: str, batch: int, target: float, *, workers: int = 2, tries: int = 3,
                    timeout_s: float = 1800.0, log: Callable[[str], None] = print) -> tuple[str, float | None]:
-    """A ``tc`` rate at which DDP's coverage rate (all-reduce of all gradients / no-communication step, both from
-    ``deft_compile.tools.bench.run_config``'s measurement) is within 15 % of ``target``: measure unshaped for the
-    step time and bytes, guess the rate (both workers' traffic crosses the one shaped qdisc: 2 x bytes), then
-    re-measure shaped and rescale by measured / target, at most ``tries`` times (``benchmarks/suite.py``'s
-    ``calibrated_rate`` recipe). Returns (rate, measured coverage rate at it)."""
+    """A ``tc`` rate at which DDP's coverage rate is within 15 % of ``target`` for this benchmark's model
+    (``deft_compile.tools.bench.calibrate_rate``). Returns (rate, measured coverage rate at it)."""
     from deft_compile.tools import bench
 
-    common: dict[str, Any] = {"policies": [], "include_ddp": False, "workers": workers, "steps": 4, "warmup": 2,
-                              "rounds": 2, "batch": batch, "progress": False, "timeout_s": timeout_s,
-                              "prefix": "defttta"}
-    spec = bench_model_spec(size)
-    probe = bench.run_config(spec, None, label="tta calibration", **common)
-    floor_ms = probe["rows"]["floor"]["step_ms"]
-    mbit = 2 * probe["gradient_bytes"] * 8 / (target * floor_ms / 1e3) / 1e6
-    rate, measured = f"{max(1, round(mbit))}mbit", None
-    for attempt in range(tries):
-        probe = bench.run_config(spec, rate, label="tta calibration", **common)
-        measured = probe.get("coverage_rate")
-        log(f"calibration: {rate} gives coverage rate {_fmt(measured, '{:.2f}', '?')} (target {target:g})")
-        if not measured or abs(measured / target - 1) <= 0.15 or attempt == tries - 1:
-            break  # the rate returned is always the one last measured
-        rate = f"{max(1, round(int(rate[:-4]) * measured / target))}mbit"
+    common: dict[str, Any] = {"workers": workers, "steps": 4, "warmup": 2, "rounds": 2, "batch": batch,
+                              "progress": False, "timeout_s": timeout_s, "prefix": "defttta", "label": "tta calibration"}
+    rate, measured, _ = bench.calibrate_rate(bench_model_spec(size), target, common, tries=tries, log=log)
     return rate, measured
 
 
