@@ -10,6 +10,8 @@ Pure graph checks: nothing runs, no processes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
@@ -115,3 +117,23 @@ def test_carried_items_get_their_own_memory_one_copy_each():
     assert len(this_step) == 1
     buckets = sorted(name for name, _ in gm.named_buffers() if name.startswith("_deft_bucket_"))
     assert buckets == ["_deft_bucket_2"], "only the this-step item has a persistent bucket"
+
+
+def test_passes_rewrite_a_copy_and_leave_the_cached_capture_as_traced():
+    """Plan switches and new phases re-run the passes on ``copy_for_passes()`` of one cached capture: the
+    capture's graph and layout stay as traced, and two plans compiled from it give the graphs that two
+    fresh captures give."""
+    captured, index = _captured()
+    traced_code = captured.graph_module.code
+    traced_layout = repr(captured.graph_module.meta["deft_layout"])
+    profile = static_profile(captured, index, [LinkCost("default", 0.0, 0.0)], 2)
+    wfbp = scheduled_items(solve(profile, "wfbp", first_bucket_bytes=512, bucket_cap_bytes=2048), index, [GROUP])
+    delayed = [dataclasses.replace(item, apply=APPLY_NEXT_UPDATE) for item in wfbp]
+    from_cache = [_compile(captured.copy_for_passes(), items) for items in (wfbp, delayed)]
+    assert captured.graph_module.code == traced_code
+    assert repr(captured.graph_module.meta["deft_layout"]) == traced_layout
+    fresh = [_compile(_captured()[0], items) for items in (wfbp, delayed)]
+    for cached_gm, fresh_gm in zip(from_cache, fresh):
+        assert cached_gm.code == fresh_gm.code
+        assert cached_gm.meta["deft_layout"] == fresh_gm.meta["deft_layout"]
+    assert from_cache[0].code != from_cache[1].code
