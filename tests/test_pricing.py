@@ -7,7 +7,13 @@ import math
 import pytest
 
 from deft_compile.preserver import Preserver, PreserverConfig
-from deft_compile.preserver.pricing import ProbeSchedule, StalenessPricer, progress_shares
+from deft_compile.preserver.pricing import (
+    ProbeSchedule,
+    StalenessPricer,
+    prior_update_prices,
+    progress_shares,
+    update_shares,
+)
 
 
 def test_progress_share_is_the_first_order_loss_of_one_stale_step():
@@ -18,6 +24,12 @@ def test_progress_share_is_the_first_order_loss_of_one_stale_step():
     halves = progress_shares({"a1": (0.5, 2.0), "a2": (0.5, 2.0), "b": (0.0, 1.0)})
     assert halves["a1"] + halves["a2"] == pytest.approx(shares["a"])
     assert progress_shares({"a": (1.0, 0.0)}) == {"a": 0.0}
+    assert update_shares({"a": (1.0, 4.0), "b": (0.0, 1.0)}) == {"a": pytest.approx(0.8), "b": pytest.approx(0.2)}
+
+
+def test_prior_update_prices_follow_parameter_counts():
+    assert prior_update_prices({"big": 300, "small": 100}, step_ms=8.0) == {"big": 6.0, "small": 2.0}
+    assert prior_update_prices({}, step_ms=8.0) == {}
 
 
 def test_pricer_prices_the_median_of_a_full_window():
@@ -27,7 +39,9 @@ def test_pricer_prices_the_median_of_a_full_window():
         pricer.observe({"a": (d, 4.0), "b": (0.0, 1.0)})
     assert pricer.ready
     share = math.sqrt(1.0 * 4.0) / 5.0
-    assert pricer.prices(step_ms=10.0) == {"a": pytest.approx(2.0 * share * 10.0), "b": 0.0}
+    staleness, updates = pricer.prices(step_ms=10.0)
+    assert staleness == {"a": pytest.approx(2.0 * share * 10.0), "b": 0.0}
+    assert updates == {"a": pytest.approx(2.0 * 0.8 * 10.0), "b": pytest.approx(2.0 * 0.2 * 10.0)}
     clone = StalenessPricer(2.0, 3)
     clone.load_state_dict(pricer.state_dict())
     assert clone.prices(10.0) == pricer.prices(10.0)
@@ -56,13 +70,17 @@ def test_probes_never_cost_more_than_their_budget():
 
 def test_trade_mode_options_carry_prices_or_go_synchronous():
     preserver = Preserver(PreserverConfig(staleness_window=1), base_options={"bucket_cap_bytes": 2},
-                          max_period=4, mean_comm_ms=2.0)
-    assert preserver.trade(5, {"a": (1.0, 4.0)}, step_ms=10.0) == {"a": pytest.approx(5.0)}  # 10 ms x 2 x 1 / 4
+                          max_period=4, mean_comm_ms=2.0, prior_update_prices={"a": 3.0})
+    assert preserver.options["update_prices"] == {"a": 3.0}, "the prior prices periods before any measurement"
+    prices = preserver.trade(5, {"a": (1.0, 4.0)}, step_ms=10.0)
+    assert prices == ({"a": pytest.approx(5.0)}, {"a": pytest.approx(10.0)})  # 10 ms x 2 x 1 / 4; 10 ms x 4 / 4
     assert "staleness_prices" not in preserver.options, "prices count once adopted"
-    event = preserver.record_trade(5, {"a": 4.0}, False, {}, "test")
-    assert preserver.options["staleness_prices"] == {"a": 4.0} and "<1 parameters>" in str(event)
+    assert preserver.priced_options(prices)["staleness_prices"] == {"a": 5.0}
+    event = preserver.record_trade(5, prices, False, {}, "test")
+    assert preserver.options["staleness_prices"] == {"a": 5.0} and preserver.options["update_prices"] == {"a": 10.0}
+    assert "<1 parameters>" in str(event)
     assert "staleness_prices" not in preserver.unpriced_options()
-    preserver.record_trade(30, {"a": 4.0}, True, {}, "priced out")
+    preserver.record_trade(30, prices, True, {}, "priced out")
     assert preserver.options["max_staleness"] == 0 and "staleness_prices" not in preserver.options
     restored = Preserver(PreserverConfig(staleness_window=1), base_options={"bucket_cap_bytes": 2}, max_period=4)
     restored.load_state_dict(preserver.state_dict())

@@ -148,14 +148,35 @@ def test_staleness_prices_trade_delays_bucket_by_bucket() -> None:
 
 
 def test_priced_buckets_get_no_period() -> None:
+    """A period skips updates: priced by ``update_prices`` above the communication it saves, no bucket gets one;
+    priced low, the period stays."""
     params = [ParamProfile(f"p{i}", 1_000_000, "float32", 1.0, 1.0, 0.0, layer=7 - i) for i in range(8)]
     profile = Profile(params, [LinkCost("l", 0.1, 1e-6)])  # 4 ms per bucket, 32 ms vs 16 ms compute
     options = {"first_bucket_bytes": 4_000_000, "bucket_cap_bytes": 4_000_000, "max_staleness": 1}
     periodic = solve(profile, "deft", **options)
     assert any(item.period > 1 for item in periodic.items)
-    prices = {f"p{i}": 10.0 for i in range(8)}  # above every bucket's 4 ms of communication
-    priced = solve(profile, "deft", staleness_prices=prices, **options)
-    assert all(item.period == 1 and item.delay == 0 for item in priced.items)
+    dear = solve(profile, "deft", update_prices={f"p{i}": 10.0 for i in range(8)}, **options)
+    assert all(item.period == 1 for item in dear.items)  # above every bucket's 4 ms of communication
+    cheap = solve(profile, "deft", update_prices={f"p{i}": 0.01 for i in range(8)}, **options)
+    assert any(item.period > 1 for item in cheap.items)
+    assert cheap.metadata["staleness_price_ms"] > 0
+    stale = solve(profile, "deft", staleness_prices={f"p{i}": 10.0 for i in range(8)}, **options)
+    assert all(item.period == 1 and item.delay == 0 for item in stale.items)
+
+
+def test_a_bucket_larger_than_either_phase_is_still_delayed() -> None:
+    """One large bucket whose communication exceeds T_F and T_B alone but not their sum: the knapsacks cannot place
+    it, the whole-suffix candidate delays it from the start of the next forward, and the simulator keeps it."""
+    params = [ParamProfile("small", 1000, "float32", 0.5, 0.5, 0.0, layer=1),
+              ParamProfile("big", 1_500_000, "float32", 4.0, 4.0, 0.0, layer=0)]
+    profile = Profile(params, [LinkCost("l", 0.1, 1.0e-6)])  # big: 6.1 ms of comm; T_F = T_B = 4.5 ms
+    options = {"first_bucket_bytes": 4000, "bucket_cap_bytes": 4000, "allow_period": False}
+    wfbp = solve(profile, "wfbp", first_bucket_bytes=4000, bucket_cap_bytes=4000)
+    assert len(wfbp.items) == 2
+    deft = solve(profile, "deft", **options)
+    big = next(item for item in deft.items if any(s.param == 1 for s in item.slices))
+    assert big.delay == 1 and big.window == "forward-next", deft.table(profile)
+    assert deft.predicted_iteration_ms < wfbp.predicted_iteration_ms
 
 
 def test_deft_uses_a_period_when_coverage_stays_above_one() -> None:

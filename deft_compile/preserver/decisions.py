@@ -153,8 +153,9 @@ class PreserverEvent:
 
     def __str__(self) -> str:
         options = dict(self.options)
-        if "staleness_prices" in options:  # one number per parameter: summarised
-            options["staleness_prices"] = f"<{len(options['staleness_prices'])} parameters>"
+        for key in ("staleness_prices", "update_prices"):  # one number per parameter: summarised
+            if key in options:
+                options[key] = f"<{len(options[key])} parameters>"
         return f"step {self.step}: {self.reason} -> level {self.level} {options}"
 
 
@@ -168,6 +169,7 @@ class Preserver:
     mean_comm_ms: float = 0.0
     history: list[PreserverEvent] = field(default_factory=list)
     level: int = 0
+    prior_update_prices: dict[str, float] = field(default_factory=dict)  # trade mode, before any measurement
 
     def __post_init__(self) -> None:
         self._errors: dict[tuple[str, ...], list[float]] = {}
@@ -179,7 +181,9 @@ class Preserver:
         self._ladder = self._build_ladder()
         self.pricer = StalenessPricer(self.config.staleness_price, self.config.staleness_window)
         self.probes = ProbeSchedule(self.config.staleness_every, self.config.probe_backoff, self.config.probe_budget)
-        self.prices: dict[str, float] = {}  # adopted staleness prices (trade mode), ms per step
+        self.prices: dict[str, float] = {}  # adopted staleness prices (trade mode), ms per step per step of staleness
+        # adopted update prices (trade mode): ms per step that losing all of a parameter's updates costs
+        self.update_prices: dict[str, float] = dict(self.prior_update_prices) if self.config.trade else {}
         self.priced_out = False  # the trade found the delays worth less than the probes that watch them
 
     # -- the ladder -----------------------------------------------------------
@@ -214,8 +218,11 @@ class Preserver:
         options = self.unpriced_options()
         if self.priced_out:
             options["max_staleness"] = 0
-        elif self.prices and options.get("max_staleness", 1) != 0:
-            options["staleness_prices"] = dict(self.prices)
+        elif options.get("max_staleness", 1) != 0:
+            if self.prices:
+                options["staleness_prices"] = dict(self.prices)
+            if self.update_prices:
+                options["update_prices"] = dict(self.update_prices)
         return options
 
     def unpriced_options(self) -> dict[str, Any]:
@@ -237,6 +244,7 @@ class Preserver:
             "pricer": self.pricer.state_dict(),
             "probes": self.probes.state_dict(),
             "prices": dict(self.prices),
+            "update_prices": dict(self.update_prices),
             "priced_out": self.priced_out,
         }
 
@@ -250,6 +258,7 @@ class Preserver:
             self.pricer.load_state_dict(state["pricer"])
             self.probes.load_state_dict(state["probes"])
             self.prices = {name: float(v) for name, v in state["prices"].items()}
+            self.update_prices = {name: float(v) for name, v in state["update_prices"].items()}
             self.priced_out = bool(state["priced_out"])
 
     @property
@@ -333,18 +342,33 @@ class Preserver:
             step, f"{'; '.join(parts)}; re-planning with {len(self.pinned)} parameter(s) kept synchronous", metrics
         )
 
-    def trade(self, step: int, changes: dict[str, tuple[float, float]], step_ms: float) -> dict[str, float] | None:
+    def trade(self, step: int, changes: dict[str, tuple[float, float]],
+              step_ms: float) -> tuple[dict[str, float], dict[str, float]] | None:
         """Trade mode: one measurement of every parameter's (‖Δg‖², ‖g‖²) on a minibatch, summed over ranks.
-        Returns the prices to plan with once every parameter has a full window, else None. The caller (the
-        monitor) solves with them and calls ``record_trade`` if the schedule changes."""
+        Returns (staleness prices, update prices) to plan with once every parameter has a full window, else
+        None. The caller (the monitor) solves with them and calls ``adopt`` (``record=True`` if the schedule
+        changes)."""
         self.pricer.observe(changes)
         self.staleness_log.append((step, {name: round(share, 6) for name, share in progress_shares(changes).items()}))
         return self.pricer.prices(step_ms) if self.pricer.ready else None
 
-    def record_trade(self, step: int, prices: dict[str, float], priced_out: bool, metrics: dict[str, Any],
-                     reason: str) -> PreserverEvent:
-        """Adopt ``prices`` (and whether the delays are priced out by their own probes) as the plan's new trade."""
-        self.prices, self.priced_out = dict(prices), priced_out
+    def priced_options(self, prices: tuple[dict[str, float], dict[str, float]]) -> dict[str, Any]:
+        """The options the current level would have with ``prices`` adopted (nothing changes)."""
+        staleness, updates = prices
+        options = self.unpriced_options()
+        if options.get("max_staleness", 1) != 0:
+            options.update({"staleness_prices": dict(staleness), "update_prices": dict(updates)})
+        return options
+
+    def adopt(self, prices: tuple[dict[str, float], dict[str, float]], priced_out: bool) -> None:
+        """Take ``prices`` (and whether the delays are priced out by their own probes) as the current trade."""
+        self.prices, self.update_prices = dict(prices[0]), dict(prices[1])
+        self.priced_out = priced_out
+
+    def record_trade(self, step: int, prices: tuple[dict[str, float], dict[str, float]], priced_out: bool,
+                     metrics: dict[str, Any], reason: str) -> PreserverEvent:
+        """``adopt`` and record a decision that changes the plan."""
+        self.adopt(prices, priced_out)
         return self._record(step, reason, metrics)
 
     # -- signals --------------------------------------------------------------

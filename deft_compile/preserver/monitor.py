@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
-from deft_compile.planner.plan import Plan
+from deft_compile.planner.plan import Plan, Profile
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
+from deft_compile.preserver.pricing import compute_ms
 from deft_compile.preserver.staleness import same_batch_gradient_change
 
 
@@ -32,6 +33,7 @@ class WatchedStep(Protocol):
     model: nn.Module
     loss_fn: Callable[..., torch.Tensor] | None
     plan: Plan | None
+    profile: Profile | None
     step_count: int
     world_size: int
     graph: Any  # the CompiledGraph of the latest step: its captured parameters and names
@@ -146,10 +148,10 @@ class PreserverMonitor:
         preserver = self.preserver
         unpriced = preserver.unpriced_options()
         synchronous_ms = self.step.solve({**unpriced, "max_staleness": 0}).predicted_iteration_ms
-        prices = preserver.trade(step_count, changes, synchronous_ms)
+        prices = preserver.trade(step_count, changes, compute_ms(self.step.profile))
         changed, event = False, None
         if prices is not None:
-            priced = self.step.solve({**unpriced, "staleness_prices": prices})
+            priced = self.step.solve(preserver.priced_options(prices))
             price_ms = float(priced.metadata.get("staleness_price_ms", 0.0))
             gain_ms = synchronous_ms - priced.predicted_iteration_ms - price_ms
             stale = any(item.delay or item.period > 1 for item in priced.items)
@@ -159,8 +161,9 @@ class PreserverMonitor:
                 priced = self.step.solve({**unpriced, "max_staleness": 0})
             metrics = {"synchronous_ms": synchronous_ms, "plan_ms": priced.predicted_iteration_ms,
                        "price_ms": price_ms, "gain_ms": gain_ms, "probe_ms": probe_ms,
-                       "total_price_ms_per_staleness_step": sum(prices.values()),
-                       "top_prices_ms": dict(sorted(prices.items(), key=lambda kv: -kv[1])[:5])}
+                       "total_staleness_price_ms": sum(prices[0].values()),
+                       "top_staleness_prices_ms": dict(sorted(prices[0].items(), key=lambda kv: -kv[1])[:5]),
+                       "top_update_prices_ms": dict(sorted(prices[1].items(), key=lambda kv: -kv[1])[:5])}
             if _schedule(priced) != _schedule(self.step.plan):
                 delayed = sum(1 for item in priced.items if item.delay)
                 periodic = sum(1 for item in priced.items if item.period > 1)
@@ -172,7 +175,7 @@ class PreserverMonitor:
                 self.step.switch_plan(preserver.options, reason)
                 changed = True
             else:
-                preserver.prices, preserver.priced_out = prices, priced_out
+                preserver.adopt(prices, priced_out)
         preserver.probes.after_measurement(step_count, changed=changed, probe_ms=probe_ms,
                                            step_ms=self.step.plan.predicted_iteration_ms or synchronous_ms)
         return event

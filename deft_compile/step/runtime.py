@@ -45,6 +45,7 @@ from deft_compile.step.pipeline import CommGroup, CompiledGraph, annotate_captur
 from deft_compile.planner.plan import LinkCost, Plan, Profile
 from deft_compile.preserver import Preserver
 from deft_compile.preserver.monitor import PreserverMonitor
+from deft_compile.preserver.pricing import compute_ms, prior_update_prices
 from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile, with_accumulation
 from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL
 from deft_compile.planner.solvers import POLICIES, solve, solve_wfbp
@@ -491,7 +492,11 @@ class CompiledStep:
                     f"the profile describes {len(self.profile.links)} link(s) but this step has {len(self._links)} "
                     f"(the process group plus DeftConfig.links={list(self.config.links)})"
                 )
-            self.plan = solve(self.profile, self.policy, **self._solver_options())
+            if self._watched_by_preserver() and self._monitor is None:
+                # the Preserver's prior prices (the updates a period skips) shape the first plan already
+                self._monitor = PreserverMonitor(self, self._new_preserver())
+            options = self._monitor.preserver.options if self._monitor is not None else self._solver_options()
+            self.plan = solve(self.profile, self.policy, **options)
             log.info("plan (%s):\n%s", self.policy, self.plan.table(self.profile))
         record_plan(self.profile, self.plan, self.dump_dir if self.comm_group.rank == 0 else None)
         if self.config.check_consistency:
@@ -503,23 +508,31 @@ class CompiledStep:
         self._items = self._scheduled(self.plan, index)
         if not self.plan_history:
             self._record_plan("initial plan")
-        if self.policy_runtime.watched_by_preserver and self.config.preserver.enabled and self._monitor is None:
+        if self._watched_by_preserver() and self._monitor is None:
             self._monitor = PreserverMonitor(self, self._new_preserver())
         if self._preserver_state is not None and self._monitor is not None:
             self._monitor.load_state_dict(self._preserver_state)  # resumed: continue its decisions
             self._preserver_state = None
         self._seconds["planning"] += time.perf_counter() - planning_started
 
+    def _watched_by_preserver(self) -> bool:
+        return self.policy_runtime.watched_by_preserver and self.config.preserver.enabled
+
     def _new_preserver(self) -> Preserver:
         options = self._solver_options()
         buckets = self.profile.buckets(options["first_bucket_bytes"], options["bucket_cap_bytes"])
         link = self.profile.links[0]
         costs = [link.cost(sum(self.profile.params[i].nbytes for i in bucket)) for bucket in buckets]
+        prior: dict[str, float] = {}
+        if self.config.preserver.trade:
+            numels = {param.name: param.numel for param in self.profile.params}
+            prior = prior_update_prices(numels, compute_ms(self.profile), self.config.preserver.staleness_price)
         return Preserver(
             self.config.preserver,
             base_options=options,
             max_period=int(options.get("max_period", 4)),
             mean_comm_ms=sum(costs) / len(costs) if costs else 0.0,
+            prior_update_prices=prior,
         )
 
     def _solver_options(self) -> dict[str, Any]:

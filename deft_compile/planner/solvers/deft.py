@@ -15,7 +15,8 @@ Algorithm (our reading of Meng & Sun, see DESIGN.md §1 and §3):
    weights are amortised: c_i / K_i.
 3. Two knapsacks. Forward knapsack: capacity T_F (merged forward compute),
    weight = comm time, value = comm time minus ``staleness_penalty_ms`` and minus the
-   bucket's measured ``staleness_prices`` (the Preserver's trade);
+   bucket's measured ``staleness_prices`` (the Preserver's trade; ``update_prices``
+   price the updates a period skips);
    chosen buckets get d=1, window ``forward-next`` (issued at the start of the
    next forward, waited before the next update). Backward knapsack: capacity
    T_B minus the comm time of the synchronous buckets that must also cross the
@@ -23,7 +24,10 @@ Algorithm (our reading of Meng & Sun, see DESIGN.md §1 and §3):
    rest stays d=0 exactly as in WFBP. Only a suffix of the buckets (the last
    ready, input side: those WFBP leaves exposed) is eligible; the suffix start
    is searched over up to ``suffix_candidates`` values. One DP pass in reverse
-   bucket order gives the forward knapsack of every suffix at once.
+   bucket order gives the forward knapsack of every suffix at once. Per suffix
+   one more candidate delays every worthwhile bucket of it from the start of the
+   next forward: such a bucket may use T_F and T_B, which the two capacities
+   split (a bucket larger than either still hides).
 4. Every candidate is scored by the simulator plus its staleness price (zero
    unless priced); the cheapest wins, and among those within ``tie_tolerance``
    the one delaying the fewest bytes (then no period). If it is not cheaper
@@ -194,6 +198,7 @@ def solve_deft(
     period_margin: float = 0.1,
     staleness_penalty_ms: float = 0.0,
     staleness_prices: dict[str, float] | None = None,
+    update_prices: dict[str, float] | None = None,
     keep_synchronous: list[str] | tuple[str, ...] = (),
     links: list[int] | None = None,
     units: int = DEFAULT_UNITS,
@@ -215,7 +220,13 @@ def solve_deft(
             price is the sum over its parameters, times its mean staleness
             (d + (K - 1)/2). Prices enter the knapsack values and the score
             every candidate (and WFBP) is ranked by: predicted step time plus
-            price. A bucket priced above its communication time gets no period.
+            price.
+        update_prices: parameter name -> ms per step that losing all of the
+            parameter's updates costs (the Preserver's trade). An update period
+            K applies a bucket once every K steps: it costs (1 - 1/K) of the
+            bucket's update price, added to a candidate's score. A bucket whose
+            update price is at least its communication time gets no period (a
+            period saves (1 - 1/K) of the load and costs (1 - 1/K) of the price).
         keep_synchronous: parameter names (``fnmatch`` patterns) whose buckets
             stay exactly as in DDP: never delayed, never periodic. The
             Preserver fills it with the buckets whose staleness error it
@@ -233,8 +244,9 @@ def solve_deft(
                "keep_synchronous": sorted({str(name) for name in keep_synchronous}),
                "links": None if links is None else [int(l) for l in links], "units": int(units),
                "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance)}
-    if staleness_prices:  # only when priced, so unpriced plans keep the hashes they always had
-        options["staleness_prices"] = {str(k): float(v) for k, v in sorted(staleness_prices.items())}
+    for key, given in (("staleness_prices", staleness_prices), ("update_prices", update_prices)):
+        if given:  # only when priced, so unpriced plans keep the hashes they always had
+            options[key] = {str(k): float(v) for k, v in sorted(given.items())}
     if max_staleness not in (0, 1):
         raise ValueError("max_staleness must be 0 or 1 (delays are at most one step)")
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
@@ -264,8 +276,11 @@ def solve_deft(
     pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern)
                            for p in bucket for pattern in options["keep_synchronous"])
                        for bucket in buckets], dtype=bool)
-    prices = options.get("staleness_prices", {})
-    price = np.array([sum(prices.get(profile.params[p].name, 0.0) for p in bucket) for bucket in buckets])
+    def bucket_prices(key: str) -> np.ndarray:
+        prices = options.get(key, {})
+        return np.array([sum(prices.get(profile.params[p].name, 0.0) for p in bucket) for bucket in buckets])
+
+    price, update_price = bucket_prices("staleness_prices"), bucket_prices("update_prices")
     group = np.array([b for b, _, _ in share_items], dtype=np.int64)
     same_as_wfbp = len(share_items) == n and all(link == 0 for _, link, _ in share_items)
     if same_as_wfbp:
@@ -280,8 +295,10 @@ def solve_deft(
     coverage = float(share_loads.sum(axis=0).max() / capacity) if capacity > 0 else math.inf
     configs = [(np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))]
     if allow_period and max_period >= 2 and coverage > 1.0 / (1.0 + period_margin):
-        # a period K saves (1 - 1/K) of a bucket's load and costs (K - 1)/2 steps of staleness: never worth it at a price above the cost
-        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period, pinned | (price >= costs)))
+        # a period K saves (1 - 1/K) of a bucket's load and costs (1 - 1/K) of its update price (and (K - 1)/2
+        # steps of staleness): never worth it where those prices reach the communication time
+        too_dear = update_price + price / 2 >= costs
+        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period, pinned | too_dear))
 
     if n <= suffix_candidates:
         suffixes = list(range(n + 1))
@@ -304,7 +321,15 @@ def solve_deft(
                 b_weights, b_units, _ = discretise(amortised[rest], b_capacity, units)
                 _, picked = knapsack_01(b_weights, [values[i] for i in rest], b_units)
                 kind[[rest[j] for j in picked]] = _BWD_NEXT
-            candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k, price))
+            candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k, price, update_price))
+            # The knapsacks give a delayed bucket the forward (T_F) or the backward (T_B) as capacity, but one
+            # issued at the start of the next forward may use both: a bucket larger than either still hides.
+            # The simulator judges the candidate that delays every worthwhile bucket of the suffix that way.
+            whole = [i for i in range(k, n) if values[i] > 0]
+            if whole and any(kind[i] != _FWD for i in whole):
+                kind = np.full(n, _SYNC, dtype=np.int64)
+                kind[whole] = _FWD
+                candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k, price, update_price))
     best_cost = min(c.cost_ms for c in candidates)
     best = min((c for c in candidates if c.cost_ms <= best_cost * (1 + tie_tolerance)),
                key=lambda c: (c.delayed_bytes, c.periodic, c.cost_ms, -c.suffix))
@@ -332,13 +357,15 @@ def solve_deft(
 
 def _score(evaluator: BucketScheduleEvaluator, kind: np.ndarray, period: np.ndarray,
            offset: np.ndarray, group: np.ndarray, bucket_bytes: np.ndarray, suffix: int,
-           price: np.ndarray) -> _Candidate:
+           price: np.ndarray, update_price: np.ndarray) -> _Candidate:
     window = kind  # kind codes are the simulator's window codes (0, 1, 2)
     delay = (kind != _SYNC).astype(np.int64)
     rank = _issue_rank(kind, group)
     iteration = evaluator.iteration_ms(window, delay, period, offset, rank)
     staleness = delay + (period - 1) / 2.0  # mean steps by which each bucket's applied gradient lags
-    return _Candidate(iteration, float((price * staleness).sum()), int(bucket_bytes[kind != _SYNC].sum()),
+    skipped = 1.0 - 1.0 / period  # share of a bucket's updates its period skips
+    cost = float((price * staleness).sum() + (update_price * skipped).sum())
+    return _Candidate(iteration, cost, int(bucket_bytes[kind != _SYNC].sum()),
                       bool((period > 1).any()), suffix, kind, period, offset)
 
 
