@@ -107,6 +107,10 @@ class PreserverConfig:
             probe_backoff`` (trade mode).
         probe_budget: measurements never take more than this share of the
             training time on average (trade mode; their measured cost counts).
+        trade_margin: a re-priced plan replaces the running one only if its
+            predicted time plus price beats the running plan's, priced the
+            same way, by this share of the compute step time (hysteresis:
+            prices are medians of noisy measurements, a switch costs a flush).
     """
 
     enabled: bool = True
@@ -125,6 +129,7 @@ class PreserverConfig:
     staleness_price: float = 1.0
     probe_backoff: int = 8
     probe_budget: float = 0.05
+    trade_margin: float = 0.05
 
     def __post_init__(self) -> None:
         if self.divergence_factor <= 1.0:
@@ -137,7 +142,7 @@ class PreserverConfig:
             raise ValueError("release_ratio must be in [0, 1]")
         if self.staleness_window < 1:
             raise ValueError("staleness_window must be at least 1")
-        if self.staleness_price < 0 or self.probe_budget < 0 or self.probe_backoff < 1:
+        if self.staleness_price < 0 or self.probe_budget < 0 or self.probe_backoff < 1 or self.trade_margin < 0:
             raise ValueError("staleness_price and probe_budget must be >= 0 and probe_backoff >= 1")
 
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
 from deft_compile.planner.plan import Plan, Profile
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
-from deft_compile.preserver.pricing import compute_ms
+from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
 from deft_compile.preserver.staleness import same_batch_gradient_change
 
 
@@ -164,7 +164,14 @@ class PreserverMonitor:
                        "total_staleness_price_ms": sum(prices[0].values()),
                        "top_staleness_prices_ms": dict(sorted(prices[0].items(), key=lambda kv: -kv[1])[:5]),
                        "top_update_prices_ms": dict(sorted(prices[1].items(), key=lambda kv: -kv[1])[:5])}
-            if _schedule(priced) != _schedule(self.step.plan):
+            names = [param.name for param in self.step.profile.params]
+            current_ms = priced_cost_ms(self.step.plan, names, *prices)
+            candidate_ms = priced_cost_ms(priced, names, *prices)
+            metrics.update(current_priced_ms=current_ms, candidate_priced_ms=candidate_ms)
+            # hysteresis: a new trade must beat the running plan, priced the same way, by a margin of the step
+            # (prices are medians of noisy measurements; switching costs a flush and new graphs)
+            clearly_better = candidate_ms < current_ms - self.config.trade_margin * compute_ms(self.step.profile)
+            if _schedule(priced) != _schedule(self.step.plan) and (clearly_better or priced_out):
                 delayed = sum(1 for item in priced.items if item.delay)
                 periodic = sum(1 for item in priced.items if item.period > 1)
                 reason = (f"staleness priced (κ={self.config.staleness_price:g}): {delayed} delayed and {periodic} "

@@ -83,6 +83,24 @@ def compute_ms(profile: Any) -> float:
     return float(profile.forward_ms + profile.backward_ms + profile.update_ms)
 
 
+def priced_cost_ms(plan: Any, param_names: list[str], staleness_prices: dict[str, float],
+                   update_prices: dict[str, float]) -> float:
+    """A plan's predicted step time plus the price of its staleness and skipped updates under the given prices
+    (what the deft solver ranks candidates by). ``plan`` is a ``Plan`` (items with bucket, slices, delay,
+    period); each bucket's parameters are counted once, however many link shares carry it."""
+    buckets: dict[int, tuple[set[int], int, int]] = {}
+    for item in plan.items:
+        params, _, _ = buckets.setdefault(item.bucket, (set(), item.delay, item.period))
+        params.update(s.param for s in item.slices)
+    price = 0.0
+    for params, delay, period in buckets.values():
+        for p in params:
+            name = param_names[p]
+            price += staleness_prices.get(name, 0.0) * (delay + (period - 1) / 2) + update_prices.get(name, 0.0) * (
+                1 - 1 / period)
+    return float(plan.predicted_iteration_ms or 0.0) + price
+
+
 def _rounded(value: float) -> float:
     """4 significant digits, so that a re-measurement of the same dynamics gives the same options."""
     return float(f"{value:.4g}")

@@ -351,7 +351,8 @@ def solve_deft(
     if plan.predicted_iteration_ms + best.price_ms >= wfbp_ms * (1 - tie_tolerance):
         reason = "knapsack plan not faster than WFBP" + (" once its staleness is priced" if best.price_ms else "")
         return finish(profile, "deft", synchronous, options,
-                      {**metadata, "fallback": reason, "knapsack_iteration_ms": plan.predicted_iteration_ms})
+                      {**metadata, "fallback": reason, "knapsack_iteration_ms": plan.predicted_iteration_ms,
+                       "knapsack_price_ms": best.price_ms, "staleness_price_ms": 0.0})
     return plan
 
 
