@@ -139,6 +139,9 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "aggregate": aggregate(runs),
                             "runs": [{k: r[k] for k in ("rows", "plan_history", "wall_s", "coverage_rate")} for r in runs]})
             print(table(results[-1:]), flush=True)
+            partial = Path(args.out)  # every finished row is kept, so an interrupted suite loses nothing measured
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"partial": True, "results": results}, indent=1, default=str))
     return results
 
 
