@@ -97,21 +97,24 @@ def test_trade_config_is_validated():
 def test_priced_cost_counts_each_bucket_once_with_its_delay_and_period():
     from deft_compile.planner.plan import LinkCost, ParamProfile, Profile
     from deft_compile.planner.solvers import solve
+    from deft_compile.planner.solvers.deft import priced_step_ms
     from deft_compile.preserver.pricing import priced_cost_ms
 
     params = [ParamProfile(f"p{i}", 1_000_000, "float32", 1.0, 1.0, 0.0, layer=7 - i) for i in range(8)]
     profile = Profile(params, [LinkCost("l", 0.1, 1e-6)])
     plan = solve(profile, "deft", first_bucket_bytes=4_000_000, bucket_cap_bytes=4_000_000)
     names = [p.name for p in params]
-    assert priced_cost_ms(plan, names, {}, {}) == pytest.approx(plan.predicted_iteration_ms)
-    staleness, updates = {n: 1.0 for n in names}, {n: 2.0 for n in names}
-    expected = plan.predicted_iteration_ms + sum(
-        (item.delay + (item.period - 1) / 2) * len(item.slices) * 1.0 + (1 - 1 / item.period) * len(item.slices) * 2.0
-        for item in plan.items)
-    assert any(item.delay or item.period > 1 for item in plan.items)
-    assert priced_cost_ms(plan, names, staleness, updates) == pytest.approx(expected)
+    compute = profile.forward_ms + profile.backward_ms + profile.update_ms  # 16 ms
+    assert priced_cost_ms(plan, names, {}, {}, compute) == pytest.approx(plan.predicted_iteration_ms)
+    staleness, updates = {n: 0.1 for n in names}, {n: 0.2 for n in names}
+    price = sum((item.delay + (item.period - 1) / 2) * len(item.slices) * 0.1
+                + (1 - 1 / item.period) * len(item.slices) * 0.2 for item in plan.items)
+    assert any(item.delay or item.period > 1 for item in plan.items) and price > 0
+    # L = price / compute of each step's progress is lost: 1 / (1 - L) times the steps
+    expected = plan.predicted_iteration_ms / (1 - price / compute)
+    assert priced_cost_ms(plan, names, staleness, updates, compute) == pytest.approx(expected)
     # the solver ranks by the same cost
     priced = solve(profile, "deft", first_bucket_bytes=4_000_000, bucket_cap_bytes=4_000_000,
                    staleness_prices=staleness, update_prices=updates)
-    assert priced_cost_ms(priced, names, staleness, updates) == pytest.approx(
-        priced.predicted_iteration_ms + priced.metadata.get("staleness_price_ms", 0.0))
+    assert priced_cost_ms(priced, names, staleness, updates, compute) == pytest.approx(priced_step_ms(
+        priced.predicted_iteration_ms, priced.metadata.get("staleness_price_ms", 0.0), compute))

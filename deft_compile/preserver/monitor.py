@@ -23,6 +23,7 @@ import torch.nn as nn
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
 from deft_compile.planner.plan import Plan, Profile
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
+from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
 from deft_compile.preserver.staleness import same_batch_gradient_change
 
@@ -153,7 +154,7 @@ class PreserverMonitor:
         if prices is not None:
             priced = self.step.solve(preserver.priced_options(prices))
             price_ms = float(priced.metadata.get("staleness_price_ms", 0.0))
-            gain_ms = synchronous_ms - priced.predicted_iteration_ms - price_ms
+            gain_ms = synchronous_ms - priced_step_ms(priced.predicted_iteration_ms, price_ms, compute_ms(self.step.profile))
             stale = any(item.delay or item.period > 1 for item in priced.items)
             longest = self.config.staleness_every * self.config.probe_backoff
             priced_out = stale and gain_ms * longest < probe_ms
@@ -165,8 +166,9 @@ class PreserverMonitor:
                        "top_staleness_prices_ms": dict(sorted(prices[0].items(), key=lambda kv: -kv[1])[:5]),
                        "top_update_prices_ms": dict(sorted(prices[1].items(), key=lambda kv: -kv[1])[:5])}
             names = [param.name for param in self.step.profile.params]
-            current_ms = priced_cost_ms(self.step.plan, names, *prices)
-            candidate_ms = priced_cost_ms(priced, names, *prices)
+            compute = compute_ms(self.step.profile)
+            current_ms = priced_cost_ms(self.step.plan, names, *prices, compute)
+            candidate_ms = priced_cost_ms(priced, names, *prices, compute)
             metrics.update(current_priced_ms=current_ms, candidate_priced_ms=candidate_ms)
             # hysteresis: a new trade must beat the running plan, priced the same way, by a margin of the step
             # (prices are medians of noisy measurements; switching costs a flush and new graphs)

@@ -12,9 +12,13 @@ loses about
     s_p = ‖Δg_p‖ · ‖g_p‖ / Σ_q ‖g_q‖²
 
 of a step's progress, and time to a given loss grows by that fraction of the
-step time (the compute time, ``compute_ms``: what a plan that hides its
-communication takes): the price of p is ``staleness_price × s_p × step_ms`` ms
-per step and per step of staleness. The shares add up over parameters, so a bucket's
+step time (the compute time, ``compute_ms``): the price of p is
+``staleness_price × s_p × step_ms`` ms per step and per step of staleness.
+A plan whose prices add up to P loses L = P / compute of each step's progress,
+so it needs 1 / (1 − L) times the steps: the solver ranks plans by predicted
+step time / (1 − L) (``solvers.deft.priced_step_ms``), not by time + P, which
+underestimates large losses (measured: a delay priced at L ≈ 0.6 was kept by
+the linear rule and cost 24 % of final validation loss). The shares add up over parameters, so a bucket's
 price is the sum over its parameters however the plan buckets them.
 
 An update period K is not just staleness: the bucket's parameters are updated
@@ -84,10 +88,12 @@ def compute_ms(profile: Any) -> float:
 
 
 def priced_cost_ms(plan: Any, param_names: list[str], staleness_prices: dict[str, float],
-                   update_prices: dict[str, float]) -> float:
-    """A plan's predicted step time plus the price of its staleness and skipped updates under the given prices
-    (what the deft solver ranks candidates by). ``plan`` is a ``Plan`` (items with bucket, slices, delay,
-    period); each bucket's parameters are counted once, however many link shares carry it."""
+                   update_prices: dict[str, float], compute: float) -> float:
+    """A plan's predicted step time per step of synchronous progress under the given prices (what the deft
+    solver ranks candidates by, ``priced_step_ms``). ``plan`` is a ``Plan`` (items with bucket, slices,
+    delay, period); each bucket's parameters are counted once, however many link shares carry it."""
+    from deft_compile.planner.solvers.deft import priced_step_ms
+
     buckets: dict[int, tuple[set[int], int, int]] = {}
     for item in plan.items:
         params, _, _ = buckets.setdefault(item.bucket, (set(), item.delay, item.period))
@@ -98,7 +104,7 @@ def priced_cost_ms(plan: Any, param_names: list[str], staleness_prices: dict[str
             name = param_names[p]
             price += staleness_prices.get(name, 0.0) * (delay + (period - 1) / 2) + update_prices.get(name, 0.0) * (
                 1 - 1 / period)
-    return float(plan.predicted_iteration_ms or 0.0) + price
+    return priced_step_ms(float(plan.predicted_iteration_ms or 0.0), price, compute)
 
 
 def _rounded(value: float) -> float:

@@ -643,10 +643,7 @@ def _run_grid(args: argparse.Namespace, models: list[str], bandwidths: list[str 
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if getattr(args, "time_to_accuracy", False):  # issue 16: deft_compile/tools/time_to_accuracy.py
-        from deft_compile.tools.time_to_accuracy import run_cli
-
-        return run_cli(args)
+    """``deft-compile bench`` (``--time-to-accuracy`` is dispatched by ``deft_compile.tools.cli``)."""
     # --steps, --bandwidth and --timeout default to None so --time-to-accuracy can tell "not given"; here:
     args.steps = 20 if args.steps is None else args.steps
     args.bandwidth = "1gbit" if args.bandwidth is None else args.bandwidth

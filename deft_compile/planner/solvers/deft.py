@@ -28,8 +28,9 @@ Algorithm (our reading of Meng & Sun, see DESIGN.md §1 and §3):
    one more candidate delays every worthwhile bucket of it from the start of the
    next forward: such a bucket may use T_F and T_B, which the two capacities
    split (a bucket larger than either still hides).
-4. Every candidate is scored by the simulator plus its staleness price (zero
-   unless priced); the cheapest wins, and among those within ``tie_tolerance``
+4. Every candidate is scored by the simulator and its staleness price (zero
+   unless priced): predicted step time / (1 - price / compute time), the time
+   per step of synchronous progress (``priced_step_ms``); the cheapest wins, and among those within ``tie_tolerance``
    the one delaying the fewest bytes (then no period). If it is not cheaper
    than WFBP, the WFBP plan is returned, so the DeFT plan is never slower than
    WFBP in simulation.
@@ -138,10 +139,25 @@ def suffix_knapsacks(weights: list[int], values: list[float], capacity: int):
     return chosen
 
 
+#: the largest share of progress a priced plan may lose in the score (a plan losing more scores as 20x slower)
+MAX_LOST_PROGRESS = 0.95
+
+
+def priced_step_ms(iteration_ms: float, price_ms: float, compute_ms: float) -> float:
+    """What a plan costs per step of synchronous progress: time to a loss is steps x step time, and a plan whose
+    staleness and skipped updates lose the share L = price / compute of each step's progress needs 1 / (1 - L)
+    times the steps. (Prices are in the compute step time, ``deft_compile.preserver.pricing``.) Not the linear
+    ``iteration + price``: at L = 0.6 that says 1.6x where the steps needed are 2.5x."""
+    if price_ms <= 0 or compute_ms <= 0:
+        return iteration_ms
+    return iteration_ms / (1.0 - min(MAX_LOST_PROGRESS, price_ms / compute_ms))
+
+
 @dataclass
 class _Candidate:
     iteration_ms: float
     price_ms: float  # the convergence price of its staleness, ms per step
+    compute_ms: float  # the step's compute, the unit prices are in
     delayed_bytes: int
     periodic: bool
     suffix: int
@@ -151,8 +167,8 @@ class _Candidate:
 
     @property
     def cost_ms(self) -> float:
-        """What candidates are ranked by: predicted step time plus the price of the staleness it adds."""
-        return self.iteration_ms + self.price_ms
+        """What candidates are ranked by: predicted step time per step of synchronous progress."""
+        return priced_step_ms(self.iteration_ms, self.price_ms, self.compute_ms)
 
 
 def _period_config(costs: np.ndarray, share_loads: np.ndarray, capacity: float, margin: float,
@@ -289,6 +305,7 @@ def solve_deft(
         layout = Plan("deft", [CommItem(id=i, slices=piece, link=link, order=i, bucket=b)
                                for i, (b, link, piece) in enumerate(share_items)])
     evaluator = BucketScheduleEvaluator(profile, layout, group)
+    evaluator.compute_ms = profile.forward_ms + profile.backward_ms + profile.update_ms  # prices are in this unit
 
     t_f, t_b = profile.forward_ms, profile.backward_ms
     capacity = t_f + t_b
@@ -348,7 +365,7 @@ def solve_deft(
         wfbp_ms = simulate(profile, Plan("wfbp", synchronous), record=False, check=False).iteration_ms
     items = _items(share_items, best)
     plan = finish(profile, "deft", items, options, metadata)
-    if plan.predicted_iteration_ms + best.price_ms >= wfbp_ms * (1 - tie_tolerance):
+    if best.cost_ms >= wfbp_ms * (1 - tie_tolerance):
         reason = "knapsack plan not faster than WFBP" + (" once its staleness is priced" if best.price_ms else "")
         return finish(profile, "deft", synchronous, options,
                       {**metadata, "fallback": reason, "knapsack_iteration_ms": plan.predicted_iteration_ms,
@@ -366,7 +383,7 @@ def _score(evaluator: BucketScheduleEvaluator, kind: np.ndarray, period: np.ndar
     staleness = delay + (period - 1) / 2.0  # mean steps by which each bucket's applied gradient lags
     skipped = 1.0 - 1.0 / period  # share of a bucket's updates its period skips
     cost = float((price * staleness).sum() + (update_price * skipped).sum())
-    return _Candidate(iteration, cost, int(bucket_bytes[kind != _SYNC].sum()),
+    return _Candidate(iteration, cost, evaluator.compute_ms, int(bucket_bytes[kind != _SYNC].sum()),
                       bool((period > 1).any()), suffix, kind, period, offset)
 
 
