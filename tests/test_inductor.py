@@ -84,6 +84,28 @@ def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(cap
     assert "Inductor compiled step graph" in caplog.text
     for a, b in zip(models["aten"].parameters(), models["inductor"].parameters()):
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-6
+    # AdamW's per-parameter scalars (bias corrections: pow in float64) are computed once per step, not
+    # inside the element loops (lowering.RealizeScalars)
+    source = steps["inductor"].lowering.last.source_code
+    assert "std::pow" in source and _lines_inside_loops(source, "std::pow") == 0
+
+
+def _lines_inside_loops(source: str, needle: str) -> int:
+    """How many lines containing ``needle`` lie inside a ``for`` loop of the generated C++ kernels."""
+    count, braces, pending = 0, [], False
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("for("):
+            pending = True
+        if needle in line and any(braces):
+            count += 1
+        for ch in stripped:
+            if ch == "{":
+                braces.append(pending)
+                pending = False
+            elif ch == "}" and braces:
+                braces.pop()
+    return count
 
 
 def test_inductor_failure_falls_back_to_aten_once(monkeypatch, caplog):
