@@ -19,10 +19,16 @@ things make the two compatible:
   mutations back into the inputs (``keep_inference_input_mutations``), so they
   stay in place as on the aten path.
 
-:class:`RealizeScalars` makes the lowered step cheaper on CPU: one-element
-values that feed whole tensors (the optimizer's per-parameter bias corrections
-and step sizes) are computed once, not once per vector of every parameter
-(Inductor's C++ backend does not hoist loop invariants). Bit-identical results.
+Two changes make the lowered step cheaper on CPU without changing its numbers
+beyond float32 round-off (docs/BENCHMARKS.md "Inductor lowering (issue 14)"
+has the measurements):
+
+* :class:`RealizeScalars`: one-element values that feed whole tensors (the
+  optimizer's per-parameter bias corrections and step sizes) are computed once,
+  not once per vector of every parameter (Inductor's C++ backend does not hoist
+  loop invariants). Bit-identical results.
+* :func:`step_decompositions`: the tanh-approximated GELU and its backward are
+  decomposed through ``sigmoid`` (an ``exp``) instead of Sleef's ``tanh``.
 
 If Inductor fails, :func:`lower` logs the reason once and returns the aten
 graph; ``LoweredGraph.compiler`` says which ran. Inductor's FX graph cache
@@ -36,6 +42,7 @@ import collections
 import contextlib
 import copy
 import logging
+import math
 import os
 import time
 import weakref
@@ -66,6 +73,8 @@ PINNED_ORDER_CONFIG: dict[str, Any] = {
 
 #: Mark one-element values that feed whole tensors for computation once (:class:`RealizeScalars`).
 REALIZE_SCALARS = True
+#: Lower ``gelu(approximate="tanh")`` and its backward through ``sigmoid`` (:func:`step_decompositions`).
+FAST_TANH_GELU = True
 
 
 def default_compiler() -> str:
@@ -168,12 +177,64 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         stack.enter_context(V.set_choices_handler(PinnedCollectiveChoices()))
         stack.enter_context(tracing(TracingContext(fake_mode)))
         fake_inputs = [_fake_like(fake_mode, x) for x in example_inputs]
-        compiled = compile_fx(lowered, fake_inputs, inner_compile=inner_compile)
+        compiled = compile_fx(lowered, fake_inputs, inner_compile=inner_compile, decompositions=step_decompositions())
     # compile_fx returns Dynamo's backend convention: called with the inputs as positional arguments
     return compiled, "\n".join(sources), (all(hits) if hits else None)
 
 
 # -- cheaper element-wise work -------------------------------------------------------------------------
+
+
+_GELU_2K = 2.0 * math.sqrt(2.0 / math.pi)  # twice the tanh approximation's sqrt(2/pi)
+_GELU_KAPPA = 0.044715
+
+
+def step_decompositions() -> dict[Any, Callable[..., Any]]:
+    """Inductor's decomposition table, with the tanh-approximated GELU written through ``sigmoid``.
+
+    ``0.5 * x * (1 + tanh(z)) == x * sigmoid(2 z)`` exactly; Inductor's C++ backend computes ``tanh``
+    with Sleef's ``tanh`` (about 3x the cost of the ``exp`` a sigmoid needs), which made the GELU of a
+    GPT-2 block (forward and the recomputation in its backward) the largest element-wise kernels of the
+    step. The sigmoid form is also the more accurate one: ``1 + tanh(z)`` cancels for negative ``x``,
+    ``sigmoid`` does not (forward and backward differ from ATen's by float32 round-off, relative to the
+    tensor's largest value). The exact (erf) GELU keeps Inductor's decomposition.
+    """
+    from torch._decomp.decompositions import pw_cast_for_opmath
+    from torch._inductor.decomposition import select_decomp_table
+
+    aten = torch.ops.aten
+    table = dict(select_decomp_table())
+    default_forward = table.get(aten.gelu.default)
+    default_backward = table.get(aten.gelu_backward.default)
+
+    @pw_cast_for_opmath
+    def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(_GELU_2K * (x + _GELU_KAPPA * (x * x * x)))
+
+    @pw_cast_for_opmath
+    def _gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # d/dx [x * sigmoid(u)] = s + x * s * (1 - s) * du/dx, with 1 - s = sigmoid(-u) (no cancellation)
+        x_sq = x * x
+        u = _GELU_2K * (x + _GELU_KAPPA * (x_sq * x))
+        s = torch.sigmoid(u)
+        return grad * (s + x * s * torch.sigmoid(-u) * (_GELU_2K * (1 + 3 * _GELU_KAPPA * x_sq)))
+
+    def gelu(x: torch.Tensor, approximate: str = "none") -> Any:
+        if approximate == "tanh":
+            return _gelu_tanh(x)
+        return default_forward(x, approximate=approximate) if default_forward is not None else NotImplemented
+
+    def gelu_backward(grad: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> Any:
+        if approximate == "tanh":
+            return _gelu_tanh_backward(grad, x)
+        if default_backward is not None:
+            return default_backward(grad, x, approximate=approximate)
+        return NotImplemented
+
+    if FAST_TANH_GELU:
+        table[aten.gelu.default] = gelu
+        table[aten.gelu_backward.default] = gelu_backward
+    return table
 
 
 def _custom_pass_base() -> type:
