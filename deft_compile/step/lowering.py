@@ -27,8 +27,8 @@ has the measurements):
   optimizer's per-parameter bias corrections and step sizes) are computed once,
   not once per vector of every parameter (Inductor's C++ backend does not hoist
   loop invariants). Bit-identical results.
-* :func:`step_decompositions`: the tanh-approximated GELU and its backward are
-  decomposed through ``sigmoid`` (an ``exp``) instead of Sleef's ``tanh``.
+* :func:`decompose_tanh_gelu`: the tanh-approximated GELU and its backward are
+  written through ``sigmoid`` (an ``exp``) instead of Sleef's ``tanh``.
 
 If Inductor fails, :func:`lower` logs the reason once and returns the aten
 graph; ``LoweredGraph.compiler`` says which ran. Inductor's FX graph cache
@@ -73,7 +73,7 @@ PINNED_ORDER_CONFIG: dict[str, Any] = {
 
 #: Mark one-element values that feed whole tensors for computation once (:class:`RealizeScalars`).
 REALIZE_SCALARS = True
-#: Lower ``gelu(approximate="tanh")`` and its backward through ``sigmoid`` (:func:`step_decompositions`).
+#: Lower ``gelu(approximate="tanh")`` and its backward through ``sigmoid`` (:func:`decompose_tanh_gelu`).
 FAST_TANH_GELU = True
 
 
@@ -151,6 +151,8 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     lowered = functionalize_bucket_ops(tensorize_item_reads(_copy(gm)))
+    if FAST_TANH_GELU:
+        lowered = decompose_tanh_gelu(lowered)
     sources: list[str] = []
     hits: list[bool] = []
 
@@ -177,7 +179,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         stack.enter_context(V.set_choices_handler(PinnedCollectiveChoices()))
         stack.enter_context(tracing(TracingContext(fake_mode)))
         fake_inputs = [_fake_like(fake_mode, x) for x in example_inputs]
-        compiled = compile_fx(lowered, fake_inputs, inner_compile=inner_compile, decompositions=step_decompositions())
+        compiled = compile_fx(lowered, fake_inputs, inner_compile=inner_compile)
     # compile_fx returns Dynamo's backend convention: called with the inputs as positional arguments
     return compiled, "\n".join(sources), (all(hits) if hits else None)
 
@@ -189,52 +191,63 @@ _GELU_2K = 2.0 * math.sqrt(2.0 / math.pi)  # twice the tanh approximation's sqrt
 _GELU_KAPPA = 0.044715
 
 
-def step_decompositions() -> dict[Any, Callable[..., Any]]:
-    """Inductor's decomposition table, with the tanh-approximated GELU written through ``sigmoid``.
-
-    ``0.5 * x * (1 + tanh(z)) == x * sigmoid(2 z)`` exactly; Inductor's C++ backend computes ``tanh``
-    with Sleef's ``tanh`` (about 3x the cost of the ``exp`` a sigmoid needs), which made the GELU of a
-    GPT-2 block (forward and the recomputation in its backward) the largest element-wise kernels of the
-    step. The sigmoid form is also the more accurate one: ``1 + tanh(z)`` cancels for negative ``x``,
-    ``sigmoid`` does not (forward and backward differ from ATen's by float32 round-off, relative to the
-    tensor's largest value). The exact (erf) GELU keeps Inductor's decomposition.
-    """
-    from torch._decomp.decompositions import pw_cast_for_opmath
-    from torch._inductor.decomposition import select_decomp_table
-
+def _gelu_tanh(x: Any) -> Any:
+    """``gelu(x, approximate="tanh")`` as ``x * sigmoid(2 z)`` (tensors or FX proxies)."""
     aten = torch.ops.aten
-    table = dict(select_decomp_table())
-    default_forward = table.get(aten.gelu.default)
-    default_backward = table.get(aten.gelu_backward.default)
+    cube = aten.mul.Tensor(aten.mul.Tensor(x, x), x)
+    u = aten.mul.Tensor(aten.add.Tensor(x, aten.mul.Tensor(cube, _GELU_KAPPA)), _GELU_2K)
+    return aten.mul.Tensor(x, aten.sigmoid.default(u))
 
-    @pw_cast_for_opmath
-    def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(_GELU_2K * (x + _GELU_KAPPA * (x * x * x)))
 
-    @pw_cast_for_opmath
-    def _gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # d/dx [x * sigmoid(u)] = s + x * s * (1 - s) * du/dx, with 1 - s = sigmoid(-u) (no cancellation)
-        x_sq = x * x
-        u = _GELU_2K * (x + _GELU_KAPPA * (x_sq * x))
-        s = torch.sigmoid(u)
-        return grad * (s + x * s * torch.sigmoid(-u) * (_GELU_2K * (1 + 3 * _GELU_KAPPA * x_sq)))
+def _gelu_tanh_backward(grad: Any, x: Any) -> Any:
+    """``gelu_backward(grad, x, approximate="tanh")``: ``grad * (s + x s (1 - s) du/dx)``, ``1 - s = sigmoid(-u)``."""
+    aten = torch.ops.aten
+    square = aten.mul.Tensor(x, x)
+    u = aten.mul.Tensor(aten.add.Tensor(x, aten.mul.Tensor(aten.mul.Tensor(square, x), _GELU_KAPPA)), _GELU_2K)
+    s = aten.sigmoid.default(u)
+    du = aten.mul.Tensor(aten.add.Tensor(aten.mul.Tensor(square, 3 * _GELU_KAPPA), 1.0), _GELU_2K)
+    slope = aten.mul.Tensor(aten.mul.Tensor(aten.mul.Tensor(x, s), aten.sigmoid.default(aten.neg.default(u))), du)
+    return aten.mul.Tensor(grad, aten.add.Tensor(s, slope))
 
-    def gelu(x: torch.Tensor, approximate: str = "none") -> Any:
-        if approximate == "tanh":
-            return _gelu_tanh(x)
-        return default_forward(x, approximate=approximate) if default_forward is not None else NotImplemented
 
-    def gelu_backward(grad: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> Any:
-        if approximate == "tanh":
-            return _gelu_tanh_backward(grad, x)
-        if default_backward is not None:
-            return default_backward(grad, x, approximate=approximate)
-        return NotImplemented
+def decompose_tanh_gelu(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``gelu``/``gelu_backward`` with ``approximate="tanh"`` into ``sigmoid`` arithmetic, in place.
 
-    if FAST_TANH_GELU:
-        table[aten.gelu.default] = gelu
-        table[aten.gelu_backward.default] = gelu_backward
-    return table
+    ``0.5 * x * (1 + tanh(z)) == x * sigmoid(2 z)`` exactly. Inductor's decomposition keeps the
+    ``tanh``, which its C++ backend computes with Sleef's ``tanh``: about three times the cost of the
+    ``exp`` a sigmoid needs, and the GELU of a GPT-2 block (forward, and its recomputation in the
+    backward) were the step's largest element-wise kernels. The sigmoid form is also the more
+    accurate one: ``1 + tanh(z)`` cancels for negative ``x`` and ``1 - tanh(z)**2`` near saturation,
+    the sigmoids do not. Forward and backward stay within float32 round-off of ATen's kernels
+    (relative to the tensor's largest value). Half and bfloat16 compute in float32, as Inductor's
+    own decomposition does. The exact (erf) GELU is left to Inductor. (A pre-pass on the FX graph
+    rather than a ``decompositions=`` table for ``compile_fx``: a custom table makes Inductor's FX
+    graph cache bypass every graph.)
+    """
+    aten = torch.ops.aten
+    graph = gm.graph
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.gelu.default, aten.gelu_backward.default):
+            continue
+        val = node.meta.get("val")
+        if node.kwargs.get("approximate") != "tanh" or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        low_precision = val.dtype in (torch.float16, torch.bfloat16)
+        with graph.inserting_before(node):
+            args = [fx.Proxy(a, tracer) for a in node.args]
+            if low_precision:
+                args = [aten._to_copy.default(a, dtype=torch.float32) for a in args]
+            out = _gelu_tanh(*args) if node.target is aten.gelu.default else _gelu_tanh_backward(*args)
+            if low_precision:
+                out = aten._to_copy.default(out, dtype=val.dtype)
+        node.replace_all_uses_with(out.node)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def _custom_pass_base() -> type:
