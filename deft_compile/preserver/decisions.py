@@ -220,15 +220,9 @@ class Preserver:
     def options(self) -> dict[str, Any]:
         """Solver options of the current level, with the pinned parameters kept synchronous and the adopted
         staleness prices (trade mode)."""
-        options = self.unpriced_options()
         if self.priced_out:
-            options["max_staleness"] = 0
-        elif options.get("max_staleness", 1) != 0:
-            if self.prices:
-                options["staleness_prices"] = dict(self.prices)
-            if self.update_prices:
-                options["update_prices"] = dict(self.update_prices)
-        return options
+            return {**self.unpriced_options(), "max_staleness": 0}
+        return self.priced_options((self.prices, self.update_prices))
 
     def unpriced_options(self) -> dict[str, Any]:
         """Solver options of the current level with the pinned parameters kept synchronous, without prices."""
@@ -359,10 +353,10 @@ class Preserver:
 
     def priced_options(self, prices: tuple[dict[str, float], dict[str, float]]) -> dict[str, Any]:
         """The options the current level would have with ``prices`` adopted (nothing changes)."""
-        staleness, updates = prices
         options = self.unpriced_options()
-        if options.get("max_staleness", 1) != 0:
-            options.update({"staleness_prices": dict(staleness), "update_prices": dict(updates)})
+        if options.get("max_staleness", 1) != 0:  # empty price maps are left out (unpriced plans keep their hash)
+            options.update({key: dict(value) for key, value in zip(("staleness_prices", "update_prices"), prices)
+                            if value})
         return options
 
     def adopt(self, prices: tuple[dict[str, float], dict[str, float]], priced_out: bool) -> None:

@@ -108,23 +108,18 @@ class PreserverMonitor:
             self.probe_seconds += self._clone_seconds
 
     def _staleness_errors(self, args: tuple, kwargs: dict) -> dict[tuple[str, ...], tuple[float, float]]:
-        """Per bucket: (relative gradient change of this step on its own minibatch, summed over ranks;
-        the bucket's mean staleness in steps under the current plan)."""
-        stale = self._buckets()
-        state = self.step.graph.captured.model_state
-        watched = sorted({p for params, _ in stale.values() for p in params})
-        change = same_batch_gradient_change(
-            self.step.model, state.param_names, self._before, state.params, dict(zip(state.buffer_names, state.buffers)),
-            self.step.loss_fn, args, kwargs, watched,
-        )
-        sums = [sum(change.get(p, (0.0, 0.0))[k] for p in params) for k in (0, 1) for params, _ in stale.values()]
-        sums = self._all_rank_mean(sums)
-        n = len(stale)
-        return {
-            names: (math.sqrt(sums[i] / sums[n + i]), staleness)
-            for i, (names, (_, staleness)) in enumerate(stale.items())
-            if sums[n + i] > 0
-        }
+        """Veto mode, per bucket: (relative gradient change of this step on its own minibatch, over all ranks;
+        the bucket's mean staleness in steps under the current plan). Sums of rank means are rank means of
+        sums, so the per-parameter measurement of the trade gives it."""
+        changes, _ = self._parameter_changes(args, kwargs)
+        names = self.step.graph.captured.model_state.param_names
+        errors = {}
+        for bucket, (params, staleness) in self._buckets().items():
+            changed = sum(changes[names[p]][0] for p in params)
+            size = sum(changes[names[p]][1] for p in params)
+            if size > 0:
+                errors[bucket] = (math.sqrt(changed / size), staleness)
+        return errors
 
     def _parameter_changes(self, args: tuple, kwargs: dict) -> tuple[dict[str, tuple[float, float]], float]:
         """Per trained parameter name: (‖Δg‖², ‖g‖²) of this step on its own minibatch, mean over ranks; and
