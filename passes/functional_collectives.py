@@ -6,10 +6,15 @@ multi-MB allocation per step (see ``passes/schedule.py``). AOTAutograd's functio
 which Inductor runs first, refuses custom in-place ops whose output aliases an input
 (``all_reduce_``), and a kept buffer would only add copies there. Inductor plans its own
 buffers and lowers the functional collectives in place where it can, so before lowering
-this pass rewrites those ops on intermediate tensors (never on graph inputs: parameter,
-buffer and optimizer-state updates stay in place) into their functional forms, and every
+this pass rewrites those ops on intermediate tensors into their functional forms, and every
 later reader of the mutated tensor reads the new value instead. Only ops whose mutated
-tensor is an intermediate or a kept buffer (``get_attr``) are rewritten.
+tensor is an intermediate, a kept buffer (``get_attr``) or a carried input are rewritten.
+
+Graph inputs stay mutated in place (parameter, buffer and optimizer-state updates), except the
+carries (``GraphLayout.carry_inputs``): a delayed bucket's local gradient that the previous call
+handed over and this call all-reduces at the start of its forward. Nothing reads a carry input
+after the call (the call's carry outputs replace it), so its in-place all-reduce can become a
+functional one. Without this, every delayed (d = 1) plan fell back to aten.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ def _mutated(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _carry_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
+    """The placeholders of the carries a step graph takes from the previous call (the last inputs, by its layout)."""
+    layout = gm.meta.get("deft_layout")
+    if layout is None or not layout.carry_inputs:
+        return set()
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    return set(placeholders[len(placeholders) - len(layout.carry_inputs):])
+
+
 def functionalize_bucket_ops(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
     latest: dict[fx.Node, fx.Node] = {}  # a mutated tensor (its first node) -> the node holding its value now
@@ -53,13 +67,14 @@ def functionalize_bucket_ops(gm: fx.GraphModule) -> fx.GraphModule:
     def current(node: fx.Node) -> fx.Node:
         return latest.get(root(node), node)
 
+    carried = _carry_placeholders(gm)
     for node in list(graph.nodes):
         if node.op == "placeholder":
             continue
         target = _mutated(node)  # before re-pointing the arguments: the tensor as the graph names it
         node.args = fx.map_arg(node.args, current)
         node.kwargs = fx.map_arg(node.kwargs, current)
-        if target is None or root(target).op == "placeholder":
+        if target is None or (root(target).op == "placeholder" and root(target) not in carried):
             continue
         with graph.inserting_before(node):
             if node.target is aten.cat.out:

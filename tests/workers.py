@@ -399,7 +399,7 @@ def reference_and_deft(case: str):
 
 def compare_deft_with_delayed_reference(
     rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9,
-    links: tuple[str, ...] = (),
+    links: tuple[str, ...] = (), compiler: str | None = None,
 ) -> dict:
     (make_optimizer, make_batch, loss_fn, base,
      ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
@@ -414,7 +414,8 @@ def compare_deft_with_delayed_reference(
     # the update-period test is about what a period does, so it plans without the Preserver
     preserver = PreserverConfig(enabled=options != "deft-period")
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
-                        config=DeftConfig(plan_options=POLICY_OPTIONS[options], links=links, preserver=preserver))
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[options], links=links, preserver=preserver,
+                                          **({"compiler": compiler} if compiler else {})))
     report, reference = _lockstep_with_reference(
         step, (deft_model, deft_optimizer), (ref_model, ref_optimizer), loss_fn, batches, rank, world_size
     )
@@ -430,7 +431,8 @@ def compare_deft_with_delayed_reference(
             "groups_in_graph": sorted(set(re.findall(r"all_reduce_?\.default\([^,]+, 'sum', '([^']+)'", steady_code))),
             "final_params": {n: p.detach().clone() for n, p in deft_model.named_parameters()},
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
-            "collectives": steady_collectives, "items": len(step.plan.items)}
+            "collectives": steady_collectives, "items": len(step.plan.items),
+            "lowering_history": step.lowering.history}
 
 
 def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None, save: str | None) -> dict:
