@@ -44,3 +44,29 @@ def test_refinement_recovers_compute_and_link_scales():
     assert error < 0.02
     for plan, ms in measured:
         assert math.isclose(predicted_ms(scaled_profile(profile, a, b), plan), ms, rel_tol=0.05)
+
+
+def test_a_later_replan_that_measures_slower_goes_back_to_synchronous():
+    """After settling, a re-plan by someone else (the Preserver's trade) is measured too: slower than the measured
+    synchronous plan means back to synchronous, and later re-plans stay synchronous."""
+    from workers import closed_loop_verify_run
+
+    results = [r.value for r in run_local_workers(closed_loop_verify_run, 2, (30,), timeout_s=240)]
+    for report in results:
+        assert report["settled_delayed"] > 0 and report["replanned"] not in report["kept"], report["reasons"]
+        assert report["state"] == "settled" and report["final_delayed"] == 0, report["reasons"]
+        assert report["synchronous_only"]
+        assert any("back to synchronous" in r for r in report["reasons"]), report["reasons"]
+
+
+def test_periodic_plans_are_timed_over_whole_cycles():
+    from types import SimpleNamespace
+
+    from deft_compile.step.closed_loop import measure_window, plan_step_ms
+
+    periodic = SimpleNamespace(items=[SimpleNamespace(period=4)])
+    assert measure_window(periodic, 5) == 12 and measure_window(SimpleNamespace(items=[]), 5) == 5
+    # three cheap steps and one communicating step per cycle: the median step would say 10 ms
+    times = [10.0, 10.0, 10.0, 50.0] * 3
+    assert plan_step_ms(times, 4) == 20.0
+    assert plan_step_ms(times, 1) == 10.0

@@ -706,3 +706,49 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int) ->
     return {"initial_delayed": initial_delayed, "final_delayed": sum(1 for item in step.plan.items if item.delay),
             "state": step.closed_loop.state, "plan_hash": step.plan.hash(),
             "history": [{k: v for k, v in h.items()} for h in step.plan_history]}
+
+
+def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
+    """deft settles on its delaying plan (measured faster than the synchronous one), then another re-plan (as the
+    Preserver makes them, through ``switch_plan``) adopts a different delaying plan that measures 1 s slower: the
+    closed loop must measure it and switch to the synchronous plan."""
+    from deft_compile.step.closed_loop import ClosedLoopConfig
+
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(model)
+    profile = delaying_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    from deft_compile.preserver import PreserverConfig
+
+    config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
+                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3))
+    step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
+    kept: list[str] = []
+
+    def inject(plan) -> float:
+        stale = any(item.delay or item.period > 1 for item in plan.items)
+        if not stale:
+            return 0.0
+        return -1000.0 if plan.hash() in kept or not kept else 1000.0
+
+    step.closed_loop.inject = inject
+    replanned = None
+    for t in range(steps):
+        step(*batches[t])
+        if not kept:
+            kept.append(step.plan.hash())
+        if step.closed_loop.state == "settled" and replanned is None:
+            settled_delayed = sum(1 for item in step.plan.items if item.delay)
+            step.switch_plan({**step.plan.options, "bucket_cap_bytes": 10 ** 9, "first_bucket_bytes": 10 ** 9},
+                             "test: a re-plan after settling")
+            replanned = step.plan.hash()
+    step.flush()
+    return {"settled_delayed": settled_delayed, "replanned": replanned, "kept": kept,
+            "replanned_delayed": replanned is not None and replanned not in kept,
+            "final_delayed": sum(1 for item in step.plan.items if item.delay), "state": step.closed_loop.state,
+            "synchronous_only": step.closed_loop.synchronous_only,
+            "reasons": [h["reason"] for h in step.plan_history]}

@@ -21,6 +21,18 @@ overlap the model does not capture), the plan may be wrong. The loop:
    slower than its measured synchronous alternative. If the synchronous plan
    won, later re-plans (the Preserver's) keep ``max_staleness=0``.
 
+4. ``verify``: a plan someone else adopts after settling (the Preserver's trade
+   re-plans from prices and the simulator) is measured the same way; if it is not
+   faster than the measured synchronous plan by ``min_gain``, the loop switches to
+   that synchronous plan (and later re-plans stay synchronous). A re-plan to a plan
+   measured before is decided from that measurement at once. So no plan runs for
+   long slower than its measured synchronous alternative, whoever chose it.
+
+A plan with update periods has steps of different lengths (communication every
+K-th step): its time is the median over whole K-step cycles of the cycle's mean
+step, measured over at least three cycles, never the median step (which would
+count only the cheap steps).
+
 Every decision is appended to ``CompiledStep.plan_history`` (key
 ``closed_loop`` with the measured and predicted times) and logged.
 Tests and experiments can add time to a plan's measurement with ``inject``.
@@ -110,6 +122,28 @@ def scaled_profile(profile, compute: float, link: float):
     return Profile.from_dict(data)
 
 
+def max_period(plan) -> int:
+    return max((item.period for item in plan.items), default=1)
+
+
+def measure_window(plan, measure_steps: int) -> int:
+    """Steps to time ``plan``: ``measure_steps``, or at least three whole update periods, in whole periods."""
+    period = max_period(plan)
+    if period == 1:
+        return measure_steps
+    cycles = max(3, math.ceil(measure_steps / period))
+    return cycles * period
+
+
+def plan_step_ms(times_ms: list[float], period: int) -> float:
+    """A plan's step time from consecutive step times: the median step, or with update periods the median over
+    whole ``period``-step cycles of the cycle's mean (every K-th step communicates; the median step would not)."""
+    if period <= 1:
+        return statistics.median(times_ms)
+    cycles = [times_ms[i:i + period] for i in range(0, len(times_ms) - period + 1, period)]
+    return statistics.median(sum(cycle) / period for cycle in cycles)
+
+
 def _is_synchronous(plan) -> bool:
     return all(item.delay == 0 and item.period == 1 and item.link == 0 for item in plan.items)
 
@@ -139,24 +173,34 @@ class ClosedLoop:
         return options
 
     def after_step(self, step, seconds: float) -> None:
-        if self.state == "settled" or step.plan is None or step.process_group is None:
+        if step.plan is None or step.process_group is None:
             return
         if self._expect is None:
             self._expect = step.plan.hash()
-        if step.plan.hash() != self._expect:  # someone else (the Preserver) switched: start over on its plan
+        if step.plan.hash() != self._expect:  # someone else (the Preserver) switched
             self._expect, self._since_change, self._times = step.plan.hash(), 0, []
+            if self.state == "settled":
+                known = self.measured.get(step.plan.hash())
+                if known is not None:
+                    self._verify(step, known[1])
+                else:
+                    self.state = "verify"
+            return
+        if self.state == "settled":
             return
         self._since_change += 1
         if self._since_change <= self.config.warmup_steps:
             return
         extra = self.inject(step.plan) if self.inject is not None else 0.0
         self._times.append(seconds * 1e3 + extra)
-        if len(self._times) < self.config.measure_steps:
+        if len(self._times) < measure_window(step.plan, self.config.measure_steps):
             return
-        measured = self._agree(step, statistics.median(self._times))
+        measured = self._agree(step, plan_step_ms(self._times, max_period(step.plan)))
         self.measured[step.plan.hash()] = (step.plan, measured)
         if self.state == "observe":
             self._after_observe(step, measured)
+        elif self.state == "verify":
+            self._verify(step, measured)
         else:
             self._next_trial(step)
 
@@ -254,6 +298,26 @@ class ClosedLoop:
             self._note(step, f"closed loop: kept the fastest measured plan ({best_ms:.1f} ms)", best_plan, best_ms,
                        float(best_plan.predicted_iteration_ms or 0.0), candidates=summary)
         self.state = "settled"
+
+    def _verify(self, step, measured: float) -> None:
+        """Keep a re-plan made after settling only if it beats the measured synchronous plan by ``min_gain``."""
+        plan = step.plan
+        synchronous = [(p, ms) for p, ms in self.measured.values() if _is_synchronous(p)]
+        self.state = "settled"
+        if _is_synchronous(plan) or not synchronous:
+            self._note(step, f"closed loop: measured the re-plan ({measured:.1f} ms)", plan, measured,
+                       float(plan.predicted_iteration_ms or 0.0))
+            return
+        sync_plan, sync_ms = min(synchronous, key=lambda e: e[1])
+        if measured > sync_ms * (1.0 - self.config.min_gain):
+            self.synchronous_only = True
+            self._switch(step, sync_plan, f"closed loop: the re-plan measured {measured:.1f} ms, not faster than the "
+                                          f"synchronous plan's {sync_ms:.1f} ms: back to synchronous",
+                         rejected={"plan_hash": plan.hash(), "measured_ms": measured})
+            self.state = "settled"
+        else:
+            self._note(step, f"closed loop: the re-plan measured {measured:.1f} ms, synchronous {sync_ms:.1f} ms: kept",
+                       plan, measured, float(plan.predicted_iteration_ms or 0.0))
 
     def _switch(self, step, plan, reason: str, **extra: Any) -> None:
         step.switch_plan(plan.options, reason, plan=plan)
