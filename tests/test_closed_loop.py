@@ -1,8 +1,11 @@
-"""Closed-loop planning (issue 13): measured plans, the synchronous candidate always tried, the fastest kept."""
+"""Closed-loop planning (issue 13): measured plans, the synchronous candidate always tried, the fastest kept,
+the final choice from interleaved rounds."""
 
 from __future__ import annotations
 
 import math
+
+import pytest
 
 from deft_compile.planner.zoo_profiles import build_profile
 from deft_compile.planner.solvers import solve
@@ -13,7 +16,7 @@ from workers import closed_loop_run
 
 
 def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (1000.0, 18), timeout_s=240)]
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (1000.0, 24), timeout_s=240)]
     for report in results:
         assert report["initial_delayed"] > 0, "the initial plan must delay buckets for the test to mean anything"
         assert report["state"] == "settled"
@@ -30,9 +33,29 @@ def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
 
 
 def test_keeps_the_delaying_plan_when_it_measures_faster():
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (-1000.0, 18), timeout_s=240)]
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (-1000.0, 30), timeout_s=240)]
     for report in results:
         assert report["state"] == "settled" and report["final_delayed"] > 0, report["history"]
+        duel = report["history"][-1]["closed_loop"]["duel"]
+        assert len(duel["ratios"]) == 2 and duel["median_ratio"] < 1.0, duel
+
+
+@pytest.mark.parametrize("duel_rounds", [0, 4])
+def test_a_growing_load_does_not_fool_the_choice(duel_rounds):
+    """The plan with delays is truly 300 ms slower, but the machine gets 200 ms busier every step. Measured one
+    after the other (no duel), the plan measured first looks faster and is kept; interleaved rounds in
+    alternating order cancel the trend and keep the synchronous plan."""
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (300.0, 40, 200.0, duel_rounds), timeout_s=240)]
+    for report in results:
+        assert report["initial_delayed"] > 0 and report["state"] == "settled", report["history"]
+        if duel_rounds == 0:
+            assert report["final_delayed"] > 0, "sequential measurement should be fooled by the trend"
+        else:
+            assert report["final_delayed"] == 0, report["history"]
+            duel = report["history"][-1]["closed_loop"]["duel"]
+            assert len(duel["ratios"]) == 4 and duel["median_ratio"] > 1.0, duel
+            assert "synchronous plan won the duel" in report["history"][-1]["reason"]
+    assert results[0]["plan_hash"] == results[1]["plan_hash"]
 
 
 def test_refinement_recovers_compute_and_link_scales():
@@ -51,12 +74,12 @@ def test_a_later_replan_that_measures_slower_goes_back_to_synchronous():
     synchronous plan means back to synchronous, and later re-plans stay synchronous."""
     from workers import closed_loop_verify_run
 
-    results = [r.value for r in run_local_workers(closed_loop_verify_run, 2, (30,), timeout_s=240)]
+    results = [r.value for r in run_local_workers(closed_loop_verify_run, 2, (45,), timeout_s=240)]
     for report in results:
         assert report["settled_delayed"] > 0 and report["replanned"] not in report["kept"], report["reasons"]
         assert report["state"] == "settled" and report["final_delayed"] == 0, report["reasons"]
         assert report["synchronous_only"]
-        assert any("back to synchronous" in r for r in report["reasons"]), report["reasons"]
+        assert any("synchronous plan won the duel" in r for r in report["reasons"][-1:]), report["reasons"]
 
 
 def test_periodic_plans_are_timed_over_whole_cycles():

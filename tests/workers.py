@@ -680,9 +680,11 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
             "replicas_equal_after_flush": bool(torch.equal(flat, reference))}
 
 
-def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int) -> dict:
+def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, drift_ms_per_step: float = 0.0,
+                    duel_rounds: int = 2) -> dict:
     """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
-    of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan."""
+    of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
+    ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier)."""
     from deft_compile.step.closed_loop import ClosedLoopConfig
 
     make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
@@ -694,9 +696,15 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int) ->
     scratch = copy.deepcopy(model)
     profile = delaying_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
-                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3))
+                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3,
+                                                     duel_rounds=duel_rounds, duel_steps=1))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
-    step.closed_loop.inject = lambda plan: slower_ms if any(item.delay or item.period > 1 for item in plan.items) else 0.0
+
+    def inject(plan) -> float:
+        stale = any(item.delay or item.period > 1 for item in plan.items)
+        return (slower_ms if stale else 0.0) + drift_ms_per_step * step.step_count
+
+    step.closed_loop.inject = inject
     initial_delayed = None
     for t in range(steps):
         step(*batches[t])
@@ -725,7 +733,8 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
     from deft_compile.preserver import PreserverConfig
 
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
-                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3))
+                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3, duel_rounds=2,
+                                                     duel_steps=1))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     kept: list[str] = []
 

@@ -15,18 +15,28 @@ overlap the model does not capture), the plan may be wrong. The loop:
    profile. The refined profile scales compute and link costs by the two
    factors that make the simulator best reproduce the measured times of the
    plans measured so far (a log-grid least squares on relative errors).
-3. ``settled``: the fastest measured candidate runs from then on. A plan with
-   delays or periods must be faster than the synchronous candidate by more
-   than ``min_gain``; otherwise the synchronous plan wins, so a plan never runs
-   slower than its measured synchronous alternative. If the synchronous plan
-   won, later re-plans (the Preserver's) keep ``max_staleness=0``.
+3. ``duel``: the sequential measurements above are taken minutes apart on a
+   machine whose load changes (a shared host, the other rank's process), so they
+   only pick the best plan with delays or periods. That plan and the synchronous
+   one then run in ``duel_rounds`` interleaved rounds, the order alternating
+   (P S, S P, P S, ...): each block runs one step after the switch, unmeasured
+   (its graph and a first step of delayed items differ), then ``duel_steps``
+   measured steps (whole update periods). Each round gives the ratio of the two
+   blocks' medians (agreed across ranks); the plan with delays is kept only if
+   the median ratio is below ``1 - min_gain``. A load trend then falls on both
+   plans alike, as in the benchmarks' paired rounds. Skipped when the sequential
+   numbers already put the plan with delays ``duel_margin`` or more above the
+   synchronous one.
+4. ``settled``: the winner runs from then on. If the synchronous plan won,
+   later re-plans (the Preserver's) keep ``max_staleness=0``.
 
-4. ``verify``: a plan someone else adopts after settling (the Preserver's trade
-   re-plans from prices and the simulator) is measured the same way; if it is not
-   faster than the measured synchronous plan by ``min_gain``, the loop switches to
-   that synchronous plan (and later re-plans stay synchronous). A re-plan to a plan
-   measured before is decided from that measurement at once. So no plan runs for
-   long slower than its measured synchronous alternative, whoever chose it.
+5. A plan someone else adopts after settling (the Preserver's trade re-plans from
+   prices and the simulator) goes through the same duel against the synchronous
+   plan; if it does not win, the loop switches to the synchronous plan (and later
+   re-plans stay synchronous). A re-plan to a plan measured before is decided
+   from that measurement at once (the Preserver's probe windows switch back and
+   forth). So no plan runs for long slower than its measured synchronous
+   alternative, whoever chose it.
 
 A plan with update periods has steps of different lengths (communication every
 K-th step): its time is the median over whole K-step cycles of the cycle's mean
@@ -43,7 +53,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 log = logging.getLogger("deft_compile")
@@ -63,6 +73,13 @@ class ClosedLoopConfig:
             which the profile is refined and the plan re-solved.
         min_gain: a plan with delays must beat the synchronous plan by this
             fraction of the step time to be kept.
+        duel_rounds: interleaved rounds of the final comparison between the best
+            plan with delays or periods and the synchronous plan (0: decide from
+            the sequential measurements alone).
+        duel_steps: measured steps per plan and round (at least one whole update
+            period), after one unmeasured step following the switch.
+        duel_margin: no duel when the sequential measurements put the plan with
+            delays this fraction or more above the synchronous one.
     """
 
     enabled: bool | None = None
@@ -70,6 +87,9 @@ class ClosedLoopConfig:
     measure_steps: int = 5
     tolerance: float = 0.2
     min_gain: float = 0.01
+    duel_rounds: int = 4
+    duel_steps: int = 3
+    duel_margin: float = 0.25
 
     def active_for(self, policy: str, profile_given: bool = False) -> bool:
         return self.enabled if self.enabled is not None else (policy == "deft" and not profile_given)
@@ -148,8 +168,41 @@ def _is_synchronous(plan) -> bool:
     return all(item.delay == 0 and item.period == 1 and item.link == 0 for item in plan.items)
 
 
+@dataclass
+class Duel:
+    """Interleaved rounds of a plan with delays (``plans[0]``) against the synchronous plan (``plans[1]``)."""
+
+    plans: tuple[Any, Any]
+    why: str
+    order: list[int]  # which plan each block runs: 0 1 1 0 0 1 ...
+    block: int = 0
+    steps: int = 0  # steps run in the current block, the unmeasured first one included
+    times: list[float] = field(default_factory=list)  # measured step times of the current block
+    medians: list[float] = field(default_factory=list)  # agreed block medians, in block order
+
+    @classmethod
+    def between(cls, stale, synchronous, rounds: int, why: str) -> "Duel":
+        order = [i for r in range(rounds) for i in ((0, 1) if r % 2 == 0 else (1, 0))]
+        return cls((stale, synchronous), why, order)
+
+    @property
+    def current(self):
+        return self.plans[self.order[self.block]]
+
+    def ratios(self) -> list[float]:
+        """Per round: the stale plan's block median over the synchronous plan's."""
+        out = []
+        for r in range(len(self.medians) // 2):
+            pair = {self.order[2 * r]: self.medians[2 * r], self.order[2 * r + 1]: self.medians[2 * r + 1]}
+            out.append(pair[0] / pair[1] if pair[1] > 0 else math.inf)
+        return out
+
+    def plan_ms(self, which: int) -> float:
+        return statistics.median(m for m, i in zip(self.medians, self.order) if i == which)
+
+
 class ClosedLoop:
-    """Drives observe → trial → settled for one ``CompiledStep`` (see the module docstring)."""
+    """Drives observe → trial → duel → settled for one ``CompiledStep`` (see the module docstring)."""
 
     def __init__(self, config: ClosedLoopConfig) -> None:
         self.config = config
@@ -158,6 +211,7 @@ class ClosedLoop:
         self.measured: dict[str, tuple[Any, float]] = {}  # plan hash -> (plan, agreed measured ms)
         self.synchronous_only = False
         self.scales: tuple[float, float] = (1.0, 1.0)
+        self.duel: Duel | None = None
         self._queue: list[tuple[Any, str]] = []
         self._expect: str | None = None
         self._since_change = 0
@@ -179,19 +233,20 @@ class ClosedLoop:
             self._expect = step.plan.hash()
         if step.plan.hash() != self._expect:  # someone else (the Preserver) switched
             self._expect, self._since_change, self._times = step.plan.hash(), 0, []
-            if self.state == "settled":
-                known = self.measured.get(step.plan.hash())
-                if known is not None:
-                    self._verify(step, known[1])
-                else:
-                    self.state = "verify"
+            if self.state in ("settled", "duel"):
+                self.duel = None
+                self.state = "settled"
+                self._after_replan(step)
+            return
+        extra = self.inject(step.plan) if self.inject is not None else 0.0
+        if self.state == "duel":
+            self._duel_step(step, seconds * 1e3 + extra)
             return
         if self.state == "settled":
             return
         self._since_change += 1
         if self._since_change <= self.config.warmup_steps:
             return
-        extra = self.inject(step.plan) if self.inject is not None else 0.0
         self._times.append(seconds * 1e3 + extra)
         if len(self._times) < measure_window(step.plan, self.config.measure_steps):
             return
@@ -199,8 +254,6 @@ class ClosedLoop:
         self.measured[step.plan.hash()] = (step.plan, measured)
         if self.state == "observe":
             self._after_observe(step, measured)
-        elif self.state == "verify":
-            self._verify(step, measured)
         else:
             self._next_trial(step)
 
@@ -277,53 +330,105 @@ class ClosedLoop:
             plan, why = self._queue.pop(0)
             self._switch(step, plan, f"closed loop trial: {why}")
             return
-        # All measured: keep the fastest; the synchronous plan wins ties within min_gain.
+        # All measured one after the other: the best stale plan goes to a duel with the synchronous one.
         entries = list(self.measured.values())
-        synchronous = [ms for plan, ms in entries if _is_synchronous(plan)]
-        sync_ms = min(synchronous) if synchronous else math.inf
-        best_plan, best_ms = min(entries, key=lambda e: e[1])
-        if not _is_synchronous(best_plan) and best_ms > sync_ms * (1.0 - self.config.min_gain):
-            best_plan, best_ms = min(((p, ms) for p, ms in entries if _is_synchronous(p)), key=lambda e: e[1])
-        self.synchronous_only = _is_synchronous(best_plan) and any(not _is_synchronous(p) for p, _ in entries)
+        synchronous = [(p, ms) for p, ms in entries if _is_synchronous(p)]
+        stale = [(p, ms) for p, ms in entries if not _is_synchronous(p)]
+        if not synchronous or not stale:
+            best_plan, best_ms = min(entries, key=lambda e: e[1])
+            self._settle(step, best_plan, best_ms, "fastest measured plan")
+            return
+        sync_plan, sync_ms = min(synchronous, key=lambda e: e[1])
+        stale_plan, stale_ms = min(stale, key=lambda e: e[1])
+        if self.config.duel_rounds > 0 and stale_ms < sync_ms * (1.0 + self.config.duel_margin):
+            self._start_duel(step, stale_plan, sync_plan, "settle")
+            return
+        best_plan, best_ms = (stale_plan, stale_ms) if stale_ms <= sync_ms * (1.0 - self.config.min_gain) else (sync_plan, sync_ms)
+        self._settle(step, best_plan, best_ms, "fastest measured plan")
+
+    def _candidates(self, step) -> dict[str, dict[str, Any]]:
         from deft_compile.planner.stability import predicted_ms
 
-        summary = {
+        return {
             h[:12]: {"measured_ms": round(ms, 3), "predicted_ms": round(predicted_ms(step.profile, p), 3),
                      "synchronous": _is_synchronous(p)}
             for h, (p, ms) in self.measured.items()
         }
-        if best_plan.hash() != step.plan.hash():
-            self._switch(step, best_plan, f"closed loop: fastest measured plan ({best_ms:.1f} ms)", candidates=summary)
-        else:
-            self._note(step, f"closed loop: kept the fastest measured plan ({best_ms:.1f} ms)", best_plan, best_ms,
-                       float(best_plan.predicted_iteration_ms or 0.0), candidates=summary)
-        self.state = "settled"
 
-    def _verify(self, step, measured: float) -> None:
-        """Keep a re-plan made after settling only if it beats the measured synchronous plan by ``min_gain``."""
+    def _settle(self, step, plan, ms: float, why: str, **extra: Any) -> None:
+        self.synchronous_only = _is_synchronous(plan) and any(not _is_synchronous(p) for p, _ in self.measured.values())
+        self.state = "settled"
+        self.duel = None
+        extra = {"candidates": self._candidates(step), **extra}
+        if plan.hash() != step.plan.hash():
+            self._switch(step, plan, f"closed loop: {why} ({ms:.1f} ms)", **extra)
+        else:
+            self._note(step, f"closed loop: kept the {why} ({ms:.1f} ms)", plan, ms,
+                       float(plan.predicted_iteration_ms or 0.0), **extra)
+
+    def _after_replan(self, step) -> None:
+        """Someone else switched after settling: measured before means decided at once, else a duel."""
         plan = step.plan
         synchronous = [(p, ms) for p, ms in self.measured.values() if _is_synchronous(p)]
-        self.state = "settled"
         if _is_synchronous(plan) or not synchronous:
-            self._note(step, f"closed loop: measured the re-plan ({measured:.1f} ms)", plan, measured,
-                       float(plan.predicted_iteration_ms or 0.0))
             return
         sync_plan, sync_ms = min(synchronous, key=lambda e: e[1])
-        if measured > sync_ms * (1.0 - self.config.min_gain):
-            self.synchronous_only = True
-            self._switch(step, sync_plan, f"closed loop: the re-plan measured {measured:.1f} ms, not faster than the "
-                                          f"synchronous plan's {sync_ms:.1f} ms: back to synchronous",
-                         rejected={"plan_hash": plan.hash(), "measured_ms": measured})
-            self.state = "settled"
-        else:
-            self._note(step, f"closed loop: the re-plan measured {measured:.1f} ms, synchronous {sync_ms:.1f} ms: kept",
-                       plan, measured, float(plan.predicted_iteration_ms or 0.0))
+        known = self.measured.get(plan.hash())
+        if known is None and self.config.duel_rounds > 0:
+            self._start_duel(step, plan, sync_plan, "re-plan")
+            return
+        if known is None:  # no duel configured: measure it on its own first
+            self.state = "trial"
+            self._queue = []
+            return
+        if known[1] > sync_ms * (1.0 - self.config.min_gain):
+            self._settle(step, sync_plan, sync_ms, f"the re-plan measured {known[1]:.1f} ms, not faster than the "
+                         f"synchronous plan's {sync_ms:.1f} ms: back to synchronous",
+                         rejected={"plan_hash": plan.hash(), "measured_ms": known[1]})
 
-    def _switch(self, step, plan, reason: str, **extra: Any) -> None:
-        step.switch_plan(plan.options, reason, plan=plan)
+    # -- the duel -------------------------------------------------------------------------
+    def _start_duel(self, step, stale, synchronous, why: str) -> None:
+        self.duel = Duel.between(stale, synchronous, self.config.duel_rounds, why)
+        self.state = "duel"
+        log.info("closed loop: duel of %s (stale) against %s (synchronous), %d interleaved rounds",
+                 stale.hash()[:12], synchronous.hash()[:12], self.config.duel_rounds)
+        if self.duel.current.hash() != step.plan.hash():
+            self._switch(step, self.duel.current, "closed loop duel", record=False)
+
+    def _duel_step(self, step, ms: float) -> None:
+        duel = self.duel
+        duel.steps += 1
+        if duel.steps == 1:  # the step after a switch: a new graph, delayed items without pending gradients
+            return
+        duel.times.append(ms)
+        period = max_period(step.plan)
+        if len(duel.times) < period * math.ceil(self.config.duel_steps / period):
+            return
+        duel.medians.append(self._agree(step, plan_step_ms(duel.times, period)))
+        duel.block, duel.steps, duel.times = duel.block + 1, 0, []
+        if duel.block < len(duel.order):
+            if duel.current.hash() != step.plan.hash():
+                self._switch(step, duel.current, "closed loop duel", record=False)
+            return
+        ratios = duel.ratios()
+        ratio = statistics.median(ratios)
+        stale, synchronous = duel.plans
+        self.measured[stale.hash()] = (stale, duel.plan_ms(0))
+        self.measured[synchronous.hash()] = (synchronous, duel.plan_ms(1))
+        record = {"duel": {"why": duel.why, "ratios": [round(r, 4) for r in ratios], "median_ratio": round(ratio, 4),
+                           "stale_plan": stale.hash(), "synchronous_plan": synchronous.hash()}}
+        verdict = f"median ratio {ratio:.3f} over {len(ratios)} interleaved rounds"
+        if ratio < 1.0 - self.config.min_gain:
+            self._settle(step, stale, duel.plan_ms(0), f"plan with delays won the duel ({verdict})", **record)
+        else:
+            self._settle(step, synchronous, duel.plan_ms(1), f"synchronous plan won the duel ({verdict})", **record)
+
+    def _switch(self, step, plan, reason: str, record: bool = True, **extra: Any) -> None:
+        step.switch_plan(plan.options, reason, plan=plan, record=record)
         self._expect, self._since_change, self._times = step.plan.hash(), 0, []
-        step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales), **extra}
-        log.info("%s; measured so far: %s", reason, {h[:12]: round(ms, 3) for h, (_p, ms) in self.measured.items()})
+        if record:
+            step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales), **extra}
+            log.info("%s; measured so far: %s", reason, {h[:12]: round(ms, 3) for h, (_p, ms) in self.measured.items()})
 
     def _note(self, step, reason: str, plan, measured: float, predicted: float, **extra: Any) -> None:
         entry = {

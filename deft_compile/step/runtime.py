@@ -248,11 +248,14 @@ class CompiledStep:
         """The Preserver watching this step's plan (policies it watches, with a process group), or None."""
         return self._monitor.preserver if self._monitor is not None else None
 
-    def switch_plan(self, options: dict[str, Any], reason: str, plan: Plan | None = None) -> None:
+    def switch_plan(self, options: dict[str, Any], reason: str, plan: Plan | None = None, record: bool = True) -> None:
         """Re-solve with ``options`` (or take ``plan``) and use it from the next step; pending gradients are flushed first.
 
         Every rank must call it at the same step with the same options (the
         Preserver's signals are identical on all ranks, so its calls are).
+        ``record=False`` (the closed loop's duel, which switches back and forth
+        between two plans and records its verdict once) leaves ``plan_history``,
+        the plan table in the log and the dumped plan artifacts alone.
         """
         self.flush()
         self.plan = plan if plan is not None else self.solve(options)
@@ -261,6 +264,9 @@ class CompiledStep:
         self._items = self._scheduled(self.plan, self._index)
         self._accumulated = {}
         self._verified_signature = None
+        if not record:
+            log.debug("step %d: plan %s (%s)", self.step_count, self.plan.hash()[:12], reason)
+            return
         self._record_plan(reason)
         log.info("step %d: new plan (%s):\n%s", self.step_count, reason, self.plan.table(self.profile))
         log_structured("plan_change", {"step": self.step_count, "reason": reason, "plan": self.plan.to_dict()})

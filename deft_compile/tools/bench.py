@@ -112,7 +112,7 @@ def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any) -> 
         quiet = 0 if flag.item() else quiet + 1
 
 
-def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, loop: Any, limit: int = 60) -> None:
+def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, loop: Any, limit: int = 150) -> None:
     """Warm up until closed-loop planning (``deft_compile.step.closed_loop``) settled on a plan: its measured
     trials switch plans and retrace, which the timed steps must not include. Ranks decide together (its
     decisions are agreed, so the flags are equal; the all-reduce keeps collectives matched). Bounded."""
