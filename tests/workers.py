@@ -761,3 +761,51 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
             "final_delayed": sum(1 for item in step.plan.items if item.delay), "state": step.closed_loop.state,
             "synchronous_only": step.closed_loop.synchronous_only,
             "reasons": [h["reason"] for h in step.plan_history]}
+
+
+def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int) -> dict:
+    """The time-to-accuracy benchmark's GPT-2 (``transformers``, tied input/output embeddings, AdamW with betas
+    (0.9, 0.95) and weight decay, a LambdaLR warm-up + cosine schedule stepped every step) trained by deft with a
+    plan that delays some buckets (the tied embedding among them), beside the eager ``PlanReference`` of that plan: the delayed semantics on
+    the model whose delays cost loss in docs/TIME_TO_ACCURACY.md."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from deft_compile.preserver import PreserverConfig
+    from deft_compile.tools import time_to_accuracy as tta
+
+    torch.manual_seed(0)
+    base = tta.build_model("tiny")
+    ref_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_optimizer, deft_optimizer = tta.make_optimizer(ref_model), tta.make_optimizer(deft_model)
+    factor = tta.lr_lambda(steps, 4, 0.1)
+    schedulers = [LambdaLR(ref_optimizer, factor), LambdaLR(deft_optimizer, factor)]
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [torch.randint(0, tta.VOCAB, (4, tta.context_of("tiny")), generator=data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, tta.make_optimizer(scratch), None, (batches[0], batches[0]), world_size, 0.9)
+    step = deft_compile(deft_model, deft_optimizer, None, policy="deft", profile=profile,
+                        config=DeftConfig(plan_options={**POLICY_OPTIONS["deft"], "bucket_cap_bytes": 40000},
+                                          preserver=PreserverConfig(enabled=False)))
+    forward = ref_model.forward
+    ref_model.forward = lambda ids: forward(ids, ids)  # PlanReference calls model(inputs), then the loss
+
+    def model_loss(loss, _targets):
+        return loss
+
+    reference, report = None, []
+    for t, ids in enumerate(batches):
+        step(ids, ids)
+        if reference is None:
+            reference = PlanReference(ref_model, ref_optimizer, model_loss, plan_schedule_by_name(step), world_size)
+        reference.step(ids, ids)
+        for scheduler in schedulers:
+            scheduler.step()
+        entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
+        entry.update(step=t, pending=len(step.pending), lr=deft_optimizer.param_groups[0]["lr"])
+        report.append(entry)
+    step.flush()
+    reference.flush()
+    final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
+    names = [name for name, _ in deft_model.named_parameters()]
+    return {"steps": report, "final": final, "delayed": sorted(_delayed_names(step)), "params": names,
+            "tied": deft_model.model.lm_head.weight is deft_model.model.transformer.wte.weight}
