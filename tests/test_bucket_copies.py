@@ -137,3 +137,52 @@ def test_passes_rewrite_a_copy_and_leave_the_cached_capture_as_traced():
         assert cached_gm.code == fresh_gm.code
         assert cached_gm.meta["deft_layout"] == fresh_gm.meta["deft_layout"]
     assert from_cache[0].code != from_cache[1].code
+
+
+def _carried_item_graph(local_first: bool = False) -> fx.GraphModule:
+    captured, index = _captured()
+    ready = list(index.ready)
+    whole = lambda c: Slice(c, 0, captured.model_state.params[c].numel())  # noqa: E731
+    items = [
+        ScheduledItem(0, tuple(whole(c) for c in ready[:3]), GROUP.name, 2, launch=LAUNCH_START_OF_FORWARD,
+                      apply=APPLY_NEXT_UPDATE, local_first=local_first),
+        ScheduledItem(1, tuple(whole(c) for c in ready[3:]), GROUP.name, 2, apply=APPLY_THIS_STEP),
+    ]
+    return _compile(captured, items, {0: ItemPhase(pending_in=True), 1: ItemPhase()})
+
+
+def test_buffer_broadcast_is_done_before_a_delayed_bucket_is_launched():
+    """gloo runs one group's collectives in order: a delayed bucket launched at the start of the step, ahead of
+    the BatchNorm buffer broadcast that the forward waits for at once, held the whole forward until the bucket
+    was through (issue 13: no overlap at all on models with buffers). The broadcast is launched and waited first."""
+    gm = _carried_item_graph()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    broadcasts = _calls(gm, BROADCAST_)  # one per buffer dtype
+    (delayed,) = [n for n in _calls(gm, ALL_REDUCE_) if n.args[0].op == "placeholder"]
+    assert broadcasts
+    for broadcast in broadcasts:
+        (broadcast_wait,) = [u for u in broadcast.users if u.target is WAIT]
+        assert order[broadcast] < order[broadcast_wait] < order[delayed]
+    first_conv = min((n for n in gm.graph.nodes if n.target is aten.convolution.default), key=order.__getitem__)
+    assert order[delayed] < order[first_conv], "the delayed bucket still overlaps the whole forward"
+
+
+def test_local_first_item_reads_its_carry_before_the_in_place_all_reduce():
+    """``delayed_update="local"``: g_{t-1} is recovered from the carried g_{t-1}/W by a copy made before the
+    in-place all-reduce is launched; the update applies this step's local gradient plus (ḡ_{t-1} − g_{t-1})."""
+    gm = _carried_item_graph(local_first=True)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    (launch,) = [n for n in _calls(gm, ALL_REDUCE_) if n.args[0].op == "placeholder"]
+    pending = launch.args[0]
+    (previous,) = [u for u in pending.users if u.target is aten.mul.Tensor]
+    assert previous.args[1] == 2.0 and order[previous] < order[launch]
+    (wait,) = [u for u in launch.users if u.target is WAIT]
+    (correction,) = [u for u in wait.users if u.target is aten.sub.Tensor]
+    assert correction.args == (wait, previous)
+    (applied,) = [u for u in correction.users if u.target is aten.add.Tensor]
+    local = applied.args[0]
+    assert local.target is aten.cat.default, "this step's local gradient, not a carried one"
+    layout = gm.meta["deft_layout"]
+    assert "pending:0" in layout.carry_outputs
+    # the three parameters of the item are updated in this step (unlike averaged semantics, whose update waits)
+    assert {0, 1, 2} <= {p for p, _ in layout.state_outputs} or layout.gradient_outputs

@@ -363,7 +363,7 @@ class ClosedLoop:
         if plan.hash() != step.plan.hash():
             self._switch(step, plan, f"closed loop: {why} ({ms:.1f} ms)", **extra)
         else:
-            self._note(step, f"closed loop: kept the {why} ({ms:.1f} ms)", plan, ms,
+            self._note(step, f"closed loop: {why} ({ms:.1f} ms), kept", plan, ms,
                        float(plan.predicted_iteration_ms or 0.0), **extra)
 
     def _after_replan(self, step) -> None:

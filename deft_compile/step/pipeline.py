@@ -93,12 +93,15 @@ def build_passes(
         ("promote_bias_corrections", promote_bias_corrections),
     ]
     if group is not None and group.world_size > 1:
+        passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
+        # After the schedule, so the broadcast goes before everything the schedule put at the start of the step:
+        # gloo runs a group's collectives in order, and a delayed bucket's all-reduce launched there first would
+        # hold the broadcast (waited at once, before the forward) until the whole bucket is through.
         if config.broadcast_buffers and captured.num_buffers and not flush:
             positions = list(range(captured.num_params, captured.num_params + captured.num_buffers))
             passes.append(
                 ("broadcast_buffers", functools.partial(insert_buffer_broadcast, buffer_positions=positions, group_name=group.name))
             )
-        passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
     elif any(item.period > 1 for item in items):  # one process, accumulating: sum across calls, no collectives
         local = frozenset(item.group_name for item in items if item.world_size == 1)
         passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
