@@ -11,6 +11,10 @@ from deft_compile.step.closed_loop import ClosedLoopConfig
 from deft_compile.step.lowering import check_compiler, default_compiler
 
 
+#: ``DeftConfig.delayed_update`` values: DESIGN.md §4's semantics, or the opt-in local-then-corrected one.
+DELAYED_UPDATES = ("averaged", "local")
+
+
 @dataclass(frozen=True)
 class DeftConfig(BucketSizes):
     """Knobs of ``deft_compile``; the defaults reproduce PyTorch DDP's behaviour.
@@ -69,6 +73,16 @@ class DeftConfig(BucketSizes):
             ``deft_compile.step.lowering``) or ``"aten"`` (the graph's aten ops
             called from Python; bit-identical to DDP with SGD). The default
             comes from ``$DEFT_COMPILER`` when set (the test suite sets ``aten``).
+        delayed_update: what a delayed bucket (d=1) applies. ``"averaged"``
+            (default, DESIGN.md §4): the averaged gradient of the previous step,
+            w_{t+1} = U(w_t, ḡ_{t-1}); replicas stay identical. ``"local"``
+            (opt-in): this step's local gradient plus the correction of the
+            previous one to its average, U(w_t, g_t + ḡ_{t-1} − g_{t-1}), with
+            the same communication schedule; replicas differ between flushes by
+            what one step's local gradients differ (docs/POLICIES.md), and
+            ``flush()``, ``state_dict()`` and plan switches average those
+            parameters and their optimizer state across ranks, so they are
+            identical again. Not with ``accumulation_steps`` or ``loss_scale``.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -87,8 +101,15 @@ class DeftConfig(BucketSizes):
     loss_scale: Any = None
     closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
     compiler: str = field(default_factory=default_compiler)
+    delayed_update: str = "averaged"
 
     def __post_init__(self) -> None:
+        if self.delayed_update not in DELAYED_UPDATES:
+            raise ValueError(f"delayed_update must be one of {', '.join(map(repr, DELAYED_UPDATES))}; "
+                             f"got {self.delayed_update!r}")
+        if self.delayed_update == "local" and (self.accumulation_steps > 1 or self.loss_scale is not None):
+            raise ValueError("delayed_update='local' is not supported with accumulation_steps > 1 or loss_scale "
+                             "(the correction is defined for one local gradient per update, applied unskipped)")
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
             raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

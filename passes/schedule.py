@@ -18,6 +18,15 @@ next-update     next call, at the start of its      next call, before the update
                 the local gradient leaves the graph (DeFT delayed buckets, d = 1)
 ==============  ==================================  =====================================
 
+A next-update item with ``local_first`` (``DeftConfig(delayed_update="local")``)
+communicates at the same points but applies, in step t, this step's *local*
+gradient plus the correction of the previous one to its average:
+a_t = g_t + (ḡ_{t-1} − g_{t-1}); in its first step a_0 = g_0. The sum of what a
+rank has applied is Σ_{s<t} ḡ_s + g_t: the synchronous sum with the newest
+average replaced by the rank's own gradient. ``g_{t-1}`` is recovered from the
+carried tensor (g_{t-1}/W) before its in-place all-reduce; a flush graph applies
+nothing for these items (the runtime averages the replicas instead).
+
 Tensors that cross the step boundary ("carries": pending all-reduce outputs or
 local gradients) are extra graph outputs and, in the next call, extra graph
 inputs, like ``IterGraphModule`` did in ``torch.distributed._spmd``. Three
@@ -102,6 +111,7 @@ class ScheduledItem:
     period: int = 1
     offset: int = 0
     drop: DropSpec | None = None
+    local_first: bool = False  # next-update, period 1: apply the local gradient now, correct it next step
 
     @property
     def params(self) -> list[int]:
@@ -306,6 +316,7 @@ class _ScheduleRewriter:
         self._pieces: dict[int, list[tuple[int, fx.Node]]] = {}
         self._need_points: dict[int, fx.Node] = {}
         self._move: dict[int, bool] = {}
+        self._local_now: dict[int, fx.Node] = {}  # local_first items: this step's local gradient
         if not self.flush:
             self._this_step(carried)
         self._from_previous_calls(carried)
@@ -370,6 +381,10 @@ class _ScheduleRewriter:
             with self.graph.inserting_before(insert_at):
                 if not phase.communicate:
                     self._carry_out[accumulator_key(item.id)] = local
+                    continue
+                if item.local_first:  # applied in this step: the carried copy is a scaled copy
+                    self._carry_out[pending_key(item.id)] = self._scaled(local, item)
+                    self._local_now[item.id] = local
                     continue
                 flat = self._scaled(local, item, owned=self._owned(local))
                 if item.apply == APPLY_NEXT_UPDATE:
@@ -441,6 +456,10 @@ class _ScheduleRewriter:
             phase = self.phases[item.id]
             if self.flush and phase.pending_in and phase.accumulated_in:
                 raise ValueError(f"item {item.id} has both a pending and an accumulated gradient to flush")
+            if item.local_first:
+                if not self.flush:
+                    self._local_then_corrected(item, carried if phase.pending_in else None)
+                continue
             if phase.pending_in:
                 pending = carried[pending_key(item.id)]
                 if item.apply == APPLY_NEXT_FORWARD:
@@ -470,6 +489,25 @@ class _ScheduleRewriter:
                 with self.graph.inserting_before(point):
                     averaged = self.graph.call_function(WAIT, (reduced,))
                 self._collect(item, averaged, point, move=False)
+
+    def _local_then_corrected(self, item: ScheduledItem, carried: dict[str, fx.Node] | None) -> None:
+        """Apply g_t + (ḡ_{t-1} − g_{t-1}) (``local_first``): the previous local gradient is taken from the carry
+        before the all-reduce launched at the usual point overwrites it with the average."""
+        local = self._local_now[item.id]
+        point = self._first_update(item.params)
+        if carried is None:  # nothing in flight: the local gradient alone
+            self._collect(item, local, point, move=False)
+            return
+        pending = carried[pending_key(item.id)]
+        launch_at = self.forward_end.next if item.launch == LAUNCH_START_OF_BACKWARD else self.first_compute
+        with self.graph.inserting_before(launch_at):
+            previous = self.graph.call_function(aten.mul.Tensor, (pending, float(item.world_size)))
+            reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
+        with self.graph.inserting_before(point):
+            averaged = self.graph.call_function(WAIT, (reduced,))
+            correction = self.graph.call_function(aten.sub.Tensor, (averaged, previous))
+            applied = self.graph.call_function(aten.add.Tensor, (local, correction))
+        self._collect(item, applied, point, move=False)
 
     def _assemble_and_rewire(self) -> dict[int, fx.Node]:
         """Build each applied parameter's gradient before its need point and make its update read it."""

@@ -146,3 +146,37 @@ def test_gpt2_with_tied_embeddings_and_lr_schedule_follows_the_delayed_reference
             check_entry(entry, False, f"rank {rank} step {entry.get('step', 'final')}", tolerance=1e-3)
             if entry["max_rel"] > 1e-5:
                 assert entry["worst"].endswith("attn.c_attn.bias"), entry
+
+
+@pytest.mark.parametrize("case", ["mlp_dropout_sgd", "cnn_batchnorm_adam", "transformer_tied_adamw_groups"])
+def test_local_delayed_update_matches_its_reference_and_flush_reunites_replicas(case):
+    """``DeftConfig(delayed_update="local")``: a delayed bucket applies g_t + (ḡ_{t-1} − g_{t-1}) with the same
+    communication; each rank follows the eager reference of that rule on its own data, the replicas differ
+    between flushes (the rule is really local), and ``flush()`` averages them (parameters and optimizer state)
+    into identical replicas, as the reference does."""
+    results = run_local_workers(compare_deft_with_delayed_reference, 2,
+                                (case, STEPS, "deft", 0.9, (), None, "local"), timeout_s=240)
+    per_rank = [r.value for r in results]
+    assert per_rank[0]["delayed"], "the plan must delay buckets for the test to mean anything"
+    exact = CASES[case][5]
+    for rank, report in enumerate(per_rank):
+        for entry in report["steps"]:
+            _check(entry, exact, f"{case} rank {rank} step {entry['step']}")
+        _check(report["final"], exact, f"{case} rank {rank} after flush")
+        assert report["pending_after_flush"] == []
+    delayed = per_rank[0]["delayed"]
+    assert any(not torch.equal(per_rank[0]["params_before_flush"][n], per_rank[1]["params_before_flush"][n])
+               for n in delayed), "local gradients must make the replicas differ before the flush"
+    for name, tensor in per_rank[0]["final_params"].items():
+        assert torch.equal(tensor, per_rank[1]["final_params"][name]), f"replicas differ in {name} after flush"
+
+
+def test_local_delayed_update_refuses_accumulation_and_loss_scaling():
+    from deft_compile import DeftConfig
+
+    with pytest.raises(ValueError, match="delayed_update='local'"):
+        DeftConfig(delayed_update="local", accumulation_steps=2)
+    with pytest.raises(ValueError, match="delayed_update='local'"):
+        DeftConfig(delayed_update="local", loss_scale="dynamic")
+    with pytest.raises(ValueError, match="delayed_update must be one of"):
+        DeftConfig(delayed_update="fresh")

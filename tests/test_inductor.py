@@ -215,13 +215,16 @@ def test_backend_options_policy_and_compiler():
         parse_options({"compiler": "tvm"})
 
 
-def test_inductor_delayed_plan_matches_eager_delayed_reference():
+@pytest.mark.parametrize("delayed_update", ["averaged", "local"])
+def test_inductor_delayed_plan_matches_eager_delayed_reference(delayed_update):
     """A plan with delayed buckets (d = 1) compiles with Inductor: the carried local gradient the previous call
     handed over is all-reduced functionally (an in-place all_reduce_ on a graph input made every delayed plan fall
-    back to aten). Parameters and optimizer state match the eager delayed reference every step and after flush."""
+    back to aten). Parameters and optimizer state match the eager delayed reference every step and after flush,
+    for both delayed semantics (``local`` also reads the carried tensor before its all-reduce)."""
     from workers import check_entry, compare_deft_with_delayed_reference
 
-    results = run_local_workers(compare_deft_with_delayed_reference, 2, ("transformer_tied_adamw_groups", 5, "deft", 0.9, (), "inductor"),
+    results = run_local_workers(compare_deft_with_delayed_reference, 2,
+                                ("transformer_tied_adamw_groups", 5, "deft", 0.9, (), "inductor", delayed_update),
                                 timeout_s=500, collective_timeout_s=240)
     for rank, result in enumerate(r.value for r in results):
         assert result["delayed"], "the plan delays some buckets"

@@ -292,10 +292,14 @@ class PlanReference:
     d = 1 the averaged gradient is applied by the next step's update. A
     parameter with nothing to apply has no gradient, so the optimizer leaves it
     and its state alone. ``flush`` applies what is pending or accumulated.
+
+    ``local=True`` is ``DeftConfig(delayed_update="local")``: a delayed parameter
+    (period 1) applies g_t + (ḡ_{t-1} − g_{t-1}) at once (g_0 in its first
+    step), and ``flush`` averages it and its optimizer state over the ranks.
     """
 
     def __init__(self, model, optimizer, loss_fn, schedule: dict[str, tuple[int, int, int]], world_size: int,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, local: bool = False) -> None:
         import torch.distributed as dist
 
         self.dist = dist
@@ -305,6 +309,8 @@ class PlanReference:
         self.last_norm: torch.Tensor | None = None
         self.pending: dict[str, torch.Tensor] = {}
         self.accumulated: dict[str, tuple[torch.Tensor, int]] = {}
+        self.local = local
+        self.local_pending: dict[str, torch.Tensor] = {}  # g_{t-1} / W, all-reduced in the next step
         self.t = 0
 
     def _average(self, total: torch.Tensor, count: int) -> torch.Tensor:
@@ -321,6 +327,16 @@ class PlanReference:
             if p.grad is None:
                 continue
             delay, period, offset = self.schedule.get(name, (0, 1, 0))
+            if self.local and delay and period == 1:
+                previous_scaled = self.local_pending.pop(name, None)
+                apply = p.grad
+                if previous_scaled is not None:
+                    previous = previous_scaled * float(self.world_size)
+                    self.dist.all_reduce(previous_scaled)
+                    apply = p.grad + (previous_scaled - previous)
+                self.local_pending[name] = p.grad * (1.0 / self.world_size)
+                p.grad = apply
+                continue
             apply = self.pending.pop(name, None)
             total, count = self.accumulated.pop(name, (None, 0))
             total = p.grad if total is None else total + p.grad
@@ -345,6 +361,14 @@ class PlanReference:
 
     def flush(self) -> None:
         for name, p in self.model.named_parameters():
+            if self.local_pending.pop(name, None) is not None:  # replicas averaged, with their optimizer state
+                tensors = [p.data] + [v for k, v in self.optimizer.state[p].items()
+                                      if k != "step" and torch.is_tensor(v) and v.is_floating_point()]
+                for tensor in tensors:
+                    self.dist.all_reduce(tensor)
+                    tensor.div_(self.world_size)
+                p.grad = None
+                continue
             p.grad = self.pending.pop(name, None)
             if name in self.accumulated:
                 total, count = self.accumulated.pop(name)
@@ -363,7 +387,8 @@ def _lockstep_with_reference(step, deft, ref, loss_fn, batches, rank: int, world
         torch.manual_seed(100 * rank + t)
         step(inputs, targets)
         if reference is None:  # the plan exists once the first step ran
-            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size)
+            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size,
+                                      local=step.config.delayed_update == "local")
         torch.manual_seed(100 * rank + t)
         reference.step(inputs, targets)
         entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
@@ -399,7 +424,7 @@ def reference_and_deft(case: str):
 
 def compare_deft_with_delayed_reference(
     rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9,
-    links: tuple[str, ...] = (), compiler: str | None = None,
+    links: tuple[str, ...] = (), compiler: str | None = None, delayed_update: str = "averaged",
 ) -> dict:
     (make_optimizer, make_batch, loss_fn, base,
      ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
@@ -415,12 +440,14 @@ def compare_deft_with_delayed_reference(
     preserver = PreserverConfig(enabled=options != "deft-period")
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(plan_options=POLICY_OPTIONS[options], links=links, preserver=preserver,
+                                          delayed_update=delayed_update,
                                           **({"compiler": compiler} if compiler else {})))
     report, reference = _lockstep_with_reference(
         step, (deft_model, deft_optimizer), (ref_model, ref_optimizer), loss_fn, batches, rank, world_size
     )
     steady_collectives = _graph_collectives(step)
     steady_code = step.graph.graph_module.code
+    params_before_flush = {n: p.detach().clone() for n, p in deft_model.named_parameters()}
     step.flush()
     reference.flush()
     final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
@@ -430,6 +457,7 @@ def compare_deft_with_delayed_reference(
             "split_params": sorted(p for p, items in step.plan.items_of_param().items() if len({i.link for i in items}) > 1),
             "groups_in_graph": sorted(set(re.findall(r"all_reduce_?\.default\([^,]+, 'sum', '([^']+)'", steady_code))),
             "final_params": {n: p.detach().clone() for n, p in deft_model.named_parameters()},
+            "params_before_flush": params_before_flush,
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
             "collectives": steady_collectives, "items": len(step.plan.items),
             "lowering_history": step.lowering.history}

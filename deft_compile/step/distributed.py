@@ -44,6 +44,34 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
                 tensor.copy_(value)
 
 
+def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Replace each tensor by its mean over ``group``, in place: one all-reduce per device and dtype, not one
+    per tensor (sum, then divide by the group size)."""
+    size = dist.get_world_size(group)
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            for tensor, value in zip(same, flat.split([t.numel() for t in same])):
+                tensor.detach().copy_(value.view_as(tensor))
+
+
+def average_parameters_and_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+                                 group: dist.ProcessGroup) -> None:
+    """Average ``params`` and their floating-point optimizer state (momentum, Adam's moments; not step counts,
+    which are equal) over ``group``: replicas that drifted apart (``delayed_update="local"``) become identical."""
+    tensors = list(params)
+    for p in params:
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step" and value.numel():
+                tensors.append(value)
+    average_tensors(tensors, group)
+
+
 def check_same_across_ranks(what: dict[str, Any], group: dist.ProcessGroup) -> None:
     """Raise ``ModelMismatchError`` naming the ranks and fields that differ from rank 0."""
     gathered: list[Any] = [None] * dist.get_world_size(group)

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from deft_compile.planner.plan import Plan
 from deft_compile.planner.solvers import dssync_partition
+from deft_compile.step.distributed import average_tensors
 from deft_compile.step.pipeline import CommGroup
 
 log = logging.getLogger("deft_compile")
@@ -194,19 +195,9 @@ def average_replicas(model: nn.Module, group: dist.ProcessGroup) -> int:
 
     Frozen parameters are left alone: they are equal everywhere, and averaging equal values over a group
     whose size is not a power of two is not exact."""
-    size = dist.get_world_size(group)
     tensors = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
     tensors += [b for b in model.buffers() if b.is_floating_point()]
-    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    with torch.no_grad():
-        for same in by_dtype.values():  # one all-reduce per device and dtype, not one per tensor
-            flat = torch.cat([t.reshape(-1) for t in same])
-            dist.all_reduce(flat, group=group)
-            flat.div_(size)
-            for tensor, value in zip(same, flat.split([t.numel() for t in same])):
-                tensor.copy_(value.view_as(tensor))
+    average_tensors(tensors, group)
     return len(tensors)
 
 

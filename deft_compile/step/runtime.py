@@ -29,6 +29,7 @@ from deft_compile.step.capture import CapturedStep, StateSlot, ambient_autocast,
 from deft_compile.step.loss_scaling import LossScaler, guard_options_for
 from deft_compile.config import DeftConfig
 from deft_compile.step.distributed import (
+    average_parameters_and_state,
     broadcast_from_rank0,
     check_same_across_ranks,
     diagnose_peer_failure,
@@ -38,7 +39,7 @@ from deft_compile.step.distributed import (
 from deft_compile.debug.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.step.optim_support import check_optimizer, hyperparameter_key, lr_inputs
-from deft_compile.passes.schedule import ItemPhase, ScheduledItem, accumulator_key, pending_key
+from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ItemPhase, ScheduledItem, accumulator_key, pending_key
 from deft_compile.step.links import open_link
 from deft_compile.step.lowering import StepLowering
 from deft_compile.step.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
@@ -295,13 +296,18 @@ class CompiledStep:
 
         After ``flush`` the model holds every gradient computed so far; the next
         step starts like a first step of the pending items. Without pending
-        communication this does nothing.
+        communication this does nothing. With ``delayed_update="local"`` the
+        replicas of the delayed buckets' parameters (and their optimizer state)
+        are averaged across ranks instead: identical again, and for SGD exactly
+        the parameters the pending correction would give.
         """
         self.policy_runtime.before_flush(self)
         if not self._carry:
             return
         if self._last_call is None:
             raise DeftError("pending updates were loaded but no step has run; run a step or flush after one")
+        local = sorted({p for item in self._items if item.local_first and pending_key(item.id) in self._carry
+                        for p in item.params})
         args, kwargs = self._last_call
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
         phases = self._phases(flush=True)
@@ -309,9 +315,17 @@ class CompiledStep:
         compiled = self._graphs.get(key) or self._compile(key, args, kwargs, phases, flush=True)
         self._run(compiled, [])
         self._accumulated = {}
+        if local and self._process_group is not None:
+            params = compiled.captured.model_state.params
+            average_parameters_and_state([params[i] for i in local], self.optimizer, self._process_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, plan, profile and pending gradients (waited, so they can be saved)."""
+        """Step counter, plan, profile and pending gradients (waited, so they can be saved).
+
+        With ``delayed_update="local"`` the step is flushed first: the replicas are averaged, so every rank
+        saves the same parameters and nothing is pending."""
+        if any(item.local_first for item in self._items):
+            self.flush()
         carry = {}
         for key, tensor in self._carry.items():
             carry[key] = torch.ops._c10d_functional.wait_tensor.default(tensor).clone()
@@ -432,7 +446,11 @@ class CompiledStep:
         """The plan's items on captured parameters and process groups, with gradient accumulation's period."""
         profile = profile or self.profile
         items = scheduled_items(plan, index, groups or self._groups, profile.params[0].element_bytes if profile else 4)
-        return with_accumulation(items, self.config.accumulation_steps)
+        items = with_accumulation(items, self.config.accumulation_steps)
+        if self.config.delayed_update == "local":
+            items = [dataclasses.replace(item, local_first=True) if item.apply == APPLY_NEXT_UPDATE and item.period == 1
+                     else item for item in items]
+        return items
 
     def _graph_cache_size(self) -> int:
         """``DeftConfig.max_cached_graphs``, but never fewer than a plan cycle needs: with update periods and
