@@ -180,6 +180,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "deft-no-preserver": {"preserver": False},
     "deft-no-period": {"plan_options": {"allow_period": False}},
     "deft-sync": {"plan_options": {"max_staleness": 0, "allow_period": False}},
+    "deft-local": {"delayed_update": "local"},  # DeftConfig(delayed_update="local"), otherwise the defaults
+    "deft-local-no-preserver": {"delayed_update": "local", "preserver": False},
 }
 DEFAULT_VARIANTS = ("ddp", "deft", "deft-no-preserver", "deft-no-period")
 TARGET_SPEEDUP = 1.3  # issue 16: deft reaches DDP's final validation loss at least 1.3x sooner ...
@@ -298,6 +300,8 @@ class _Variant:
             options: dict[str, Any] = {"compiler": cfg.compiler, "plan_options": dict(spec.get("plan_options", {}))}
             if spec.get("preserver") is False:
                 options["preserver"] = PreserverConfig(enabled=False)
+            if "delayed_update" in spec:
+                options["delayed_update"] = spec["delayed_update"]
             self.deft = deft_compile(self.model, self.optimizer, None, policy="deft",
                                      config=DeftConfig(**caps, **options))
             self.runner = self.deft
@@ -311,6 +315,7 @@ class _Variant:
         self.replanned: list[float] = []  # plans adopted in the call
         self.flush_s = 0.0
         self.flush_traces = 0
+        self.drift: list[dict[str, float]] = []  # replica drift before each flush (delayed_update="local")
         self.sync_s = 0.0
         self.evals: list[dict[str, float]] = []
 
@@ -342,10 +347,26 @@ class _Variant:
         self.clock += elapsed
         self.sync_s += elapsed
 
+    @torch.no_grad()
+    def replica_drift(self) -> float:
+        """max over ranks of ‖w_r − w̄‖ / ‖w̄‖ over every parameter (untimed; one all-reduce of the model): how far
+        the replicas have drifted apart before a flush (``delayed_update="local"``; 0 for identical replicas)."""
+        import torch.distributed as dist
+
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()]).double()
+        mean = flat.clone()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        ratio = torch.tensor([float((flat - mean).norm() / mean.norm().clamp_min(1e-30))], dtype=torch.float64)
+        dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
+        return float(ratio)
+
     def flush(self) -> None:
         """Apply pending delayed / accumulated gradients (deft), timed on the clock."""
         if self.deft is None:
             return
+        if self.deft.config.delayed_update == "local":
+            self.drift.append({"step": self.step, "relative_drift": self.replica_drift()})
         traces = self.deft.trace_count
         started = time.perf_counter()
         self.deft.flush()
@@ -390,6 +411,7 @@ class _Variant:
             "replanned": reduced(self.replanned, dist.ReduceOp.MAX),
             "flush_s": reduced([self.flush_s], dist.ReduceOp.MAX)[0],
             "flush_traces": self.flush_traces,
+            "replica_drift": self.drift,
             "sync_s": reduced([self.sync_s], dist.ReduceOp.MAX)[0],
             "train_s": reduced([self.clock], dist.ReduceOp.MAX)[0],
         }
