@@ -80,9 +80,10 @@ class DeftConfig(BucketSizes):
             previous one to its average, U(w_t, g_t + ḡ_{t-1} − g_{t-1}), with
             the same communication schedule; replicas differ between flushes by
             what one step's local gradients differ (docs/POLICIES.md), and
-            ``flush()``, ``state_dict()`` and plan switches average those
-            parameters and their optimizer state across ranks, so they are
-            identical again. Not with ``accumulation_steps`` or ``loss_scale``.
+            ``flush()`` and plan switches average those parameters and their
+            optimizer state across ranks, so they are identical again (flush on
+            every rank before saving a checkpoint). Not with
+            ``accumulation_steps`` or ``loss_scale``.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB

@@ -160,3 +160,40 @@ def test_preserver_rescues_a_run_that_staleness_breaks():
         assert overheads["captures"] == delayed["overheads"]["captures"], f"a plan switch traced again: {overheads}"
         assert overheads["graphs"] > len(preserved["history"]), overheads
         assert overheads["probe_seconds"] > 0, overheads
+
+
+def test_synchronous_start_until_the_first_trade_prices_the_delays():
+    """``start_synchronous``: no delays before a staleness measurement has priced them (update periods stay
+    with the prior's prices); the first adopted trade, whatever it chose, lifts it, and checkpoints keep it."""
+    preserver = Preserver(PreserverConfig(), base_options=dict(BASE), max_period=4, mean_comm_ms=2.0,
+                          prior_update_prices={"w": 1.0}, start_synchronous=True)
+    assert preserver.options["max_staleness"] == 0 and "allow_period" not in preserver.options
+    preserver.adopt(({"w": 0.5}, {"w": 1.0}), priced_out=False)
+    assert "max_staleness" not in preserver.options and preserver.options["staleness_prices"] == {"w": 0.5}
+    resumed = Preserver(PreserverConfig(), base_options=dict(BASE), max_period=4, mean_comm_ms=2.0,
+                        start_synchronous=True)
+    resumed.load_state_dict(preserver.state_dict())
+    assert resumed.options == preserver.options
+    # off: the first plan may delay at once (the earlier behaviour, and the default for a given profile)
+    eager = Preserver(PreserverConfig(), base_options=dict(BASE), max_period=4, mean_comm_ms=2.0)
+    assert "max_staleness" not in eager.options
+
+
+def test_measured_profile_starts_synchronous_and_a_given_profile_does_not():
+    """Wiring in the running step: None means on for a measured profile, off for a given one; on, the first plan
+    has no delays until the prices exist (measurements at steps 5, 10 and 25 fill the window), and then the trade
+    prices them (here: a slow-link profile, so it adopts delays)."""
+    from deft_compile.tools.launcher import run_local_workers
+    from workers import synchronous_start_run
+
+    measured = [r.value for r in run_local_workers(synchronous_start_run, 2, (False, 2), timeout_s=240)]
+    given = [r.value for r in run_local_workers(synchronous_start_run, 2, (True, 2), timeout_s=240)]
+    forced = [r.value for r in run_local_workers(synchronous_start_run, 2, (True, 27, True), timeout_s=240)]
+    for report in measured:
+        assert report["resolved"] is True, report
+    for report in given:
+        assert report["resolved"] is False and report["initial_delayed"] > 0, report
+    for report in forced:
+        assert report["initial_delayed"] == 0, report["history"]
+        assert report["traded"], report["history"]
+        assert report["max_delayed"] > 0, f"the priced trade should adopt delays on a slow link: {report['history']}"

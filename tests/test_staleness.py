@@ -64,3 +64,51 @@ def test_no_update_means_no_error_even_with_dropout():
     names, before, buffers = _state(model)
     change = same_batch_gradient_change(model, names, before, before, buffers, F.cross_entropy, (x, y), {}, [0, 2])
     assert all(diff == 0.0 and norm > 0 for diff, norm in change.values())
+
+
+def test_update_metric_weights_gradients_as_the_optimizer_applies_them():
+    """Adam-family steps move p by −lr·P·m with P = 1/(√v + eps): the trade's norms are √P-weighted, so a
+    parameter whose tiny second moment makes its steps large weighs as much as its steps do. SGD: no metric."""
+    from deft_compile.preserver.staleness import update_metric
+
+    torch.manual_seed(2)
+    model = Net().train()
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    assert update_metric(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == {}
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    assert update_metric(adam) == {}, "no second moment before the first step"
+    F.cross_entropy(model(x), y).backward()
+    adam.step()
+    metric = update_metric(adam)
+    params = list(model.parameters())
+    assert set(metric) == set(params)
+    for p in params:
+        expected = 1.0 / (adam.state[p]["exp_avg_sq"].sqrt() + 1e-6)
+        torch.testing.assert_close(metric[p].square(), expected)
+    names, before, buffers = _state(model)
+    after = [b + 0.1 * torch.randn_like(b) for b in before]
+    by_index = {i: metric[p] for i, p in enumerate(params)}
+    plain = same_batch_gradient_change(model, names, before, after, buffers, F.cross_entropy, (x, y), {}, [0, 4])
+    weighted = same_batch_gradient_change(model, names, before, after, buffers, F.cross_entropy, (x, y), {}, [0, 4],
+                                          by_index)
+    bn_stats = {k: v.clone() for k, v in buffers.items()}
+
+    def reference(values):  # the same recomputation as the function's (same dropout seed)
+        clone = Net().train()
+        clone.load_state_dict({**dict(zip(names, values)), **{k: v.clone() for k, v in bn_stats.items()}})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0x5EED)
+            F.cross_entropy(clone(x), y).backward()
+            return [q.grad for q in clone.parameters()]
+
+    g_before, g_after = reference(before), reference(after)
+    for index in (0, 4):
+        w = by_index[index]
+        diff, norm = weighted[index]
+        assert abs(diff - float(((g_after[index] - g_before[index]) * w).double().square().sum())) < 1e-7 * max(1.0, diff)
+        assert abs(norm - float((g_before[index] * w).double().square().sum())) < 1e-7 * max(1.0, norm)
+        assert (diff, norm) != plain[index]
+    # with a metric of ones the result is the plain one, exactly
+    ones = {i: torch.ones_like(p) for i, p in enumerate(params)}
+    assert same_batch_gradient_change(model, names, before, after, buffers, F.cross_entropy, (x, y), {}, [0, 4],
+                                      ones) == plain

@@ -463,7 +463,8 @@ def compare_deft_with_delayed_reference(
             "lowering_history": step.lowering.history}
 
 
-def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None, save: str | None) -> dict:
+def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None, save: str | None,
+                   delayed_update: str = "averaged") -> dict:
     """Train steps ``[start, stop)`` with deft (delays), optionally resuming from / saving to a checkpoint."""
     make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
     torch.manual_seed(0)
@@ -474,7 +475,7 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
     scratch = copy.deepcopy(model)
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
-                        config=DeftConfig(plan_options=POLICY_OPTIONS["deft"]))
+                        config=DeftConfig(plan_options=POLICY_OPTIONS["deft"], delayed_update=delayed_update))
     if load is not None:
         checkpoint = torch.load(f"{load}.rank{rank}", weights_only=False)
         model.load_state_dict(checkpoint["model"])
@@ -791,7 +792,7 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
             "reasons": [h["reason"] for h in step.plan_history]}
 
 
-def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int) -> dict:
+def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int, delayed_update: str = "averaged") -> dict:
     """The time-to-accuracy benchmark's GPT-2 (``transformers``, tied input/output embeddings, AdamW with betas
     (0.9, 0.95) and weight decay, a LambdaLR warm-up + cosine schedule stepped every step) trained by deft with a
     plan that delays some buckets (the tied embedding among them), beside the eager ``PlanReference`` of that plan: the delayed semantics on
@@ -813,7 +814,7 @@ def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int) 
     profile = synthetic_profile(scratch, tta.make_optimizer(scratch), None, (batches[0], batches[0]), world_size, 0.9)
     step = deft_compile(deft_model, deft_optimizer, None, policy="deft", profile=profile,
                         config=DeftConfig(plan_options={**POLICY_OPTIONS["deft"], "bucket_cap_bytes": 40000},
-                                          preserver=PreserverConfig(enabled=False)))
+                                          preserver=PreserverConfig(enabled=False), delayed_update=delayed_update))
     forward = ref_model.forward
     ref_model.forward = lambda ids: forward(ids, ids)  # PlanReference calls model(inputs), then the loss
 
@@ -824,7 +825,8 @@ def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int) 
     for t, ids in enumerate(batches):
         step(ids, ids)
         if reference is None:
-            reference = PlanReference(ref_model, ref_optimizer, model_loss, plan_schedule_by_name(step), world_size)
+            reference = PlanReference(ref_model, ref_optimizer, model_loss, plan_schedule_by_name(step), world_size,
+                                      local=delayed_update == "local")
         reference.step(ids, ids)
         for scheduler in schedulers:
             scheduler.step()
@@ -837,3 +839,32 @@ def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int) 
     names = [name for name, _ in deft_model.named_parameters()]
     return {"steps": report, "final": final, "delayed": sorted(_delayed_names(step)), "params": names,
             "tied": deft_model.model.lm_head.weight is deft_model.model.transformer.wte.weight}
+
+
+def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps: int,
+                          start_synchronous: bool | None = None) -> dict:
+    """deft with the Preserver's trade: ``start_synchronous`` None resolves to on for a measured profile and off
+    for a given one; on, the plan stays synchronous until the first trade (step 5) prices the delays."""
+    from deft_compile.preserver import PreserverConfig
+    from deft_compile.step.closed_loop import ClosedLoopConfig
+
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(model)
+    profile = delaying_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size) if profile_given else None
+    step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
+                        config=DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
+                                          preserver=PreserverConfig(start_synchronous=start_synchronous),
+                                          closed_loop=ClosedLoopConfig(enabled=False)))
+    step(*batches[0])
+    resolved = step.preserver.start_synchronous
+    for t in range(1, steps):
+        step(*batches[t])
+    step.flush()
+    return {"resolved": resolved, "initial_delayed": step.plan_history[0]["delayed_items"],
+            "traded": step.preserver.traded, "history": [h["reason"] for h in step.plan_history],
+            "max_delayed": max(h["delayed_items"] for h in step.plan_history)}

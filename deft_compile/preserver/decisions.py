@@ -111,6 +111,14 @@ class PreserverConfig:
             predicted time plus price beats the running plan's, priced the
             same way, by this share of the compute step time (hysteresis:
             prices are medians of noisy measurements, a switch costs a flush).
+        start_synchronous: trade mode: no delays until staleness prices exist
+            (a full window of ``staleness_window`` measurements: step
+            ``staleness_every``, 25 by default); the first plan is synchronous
+            apart from update periods, which the prior prices. Delays in the first steps, while the learning rate
+            warms up and gradients change fastest, did lasting harm
+            (docs/TIME_TO_ACCURACY.md). None (default): on when the step
+            measures its own profile, off for a profile the user gives (taken
+            as the user's plan, as the closed loop does).
     """
 
     enabled: bool = True
@@ -130,6 +138,7 @@ class PreserverConfig:
     probe_backoff: int = 8
     probe_budget: float = 0.05
     trade_margin: float = 0.05
+    start_synchronous: bool | None = None
 
     def __post_init__(self) -> None:
         if self.divergence_factor <= 1.0:
@@ -175,6 +184,7 @@ class Preserver:
     history: list[PreserverEvent] = field(default_factory=list)
     level: int = 0
     prior_update_prices: dict[str, float] = field(default_factory=dict)  # trade mode, before any measurement
+    start_synchronous: bool = False  # trade mode: no delays before the first priced trade (resolved config)
 
     def __post_init__(self) -> None:
         self._errors: dict[tuple[str, ...], list[float]] = {}
@@ -190,6 +200,7 @@ class Preserver:
         # adopted update prices (trade mode): ms per step that losing all of a parameter's updates costs
         self.update_prices: dict[str, float] = dict(self.prior_update_prices) if self.config.trade else {}
         self.priced_out = False  # the trade found the delays worth less than the probes that watch them
+        self.traded = False  # a staleness measurement has priced the delays (trade mode)
 
     # -- the ladder -----------------------------------------------------------
     def _build_ladder(self) -> list[tuple[str, dict[str, Any]]]:
@@ -220,7 +231,7 @@ class Preserver:
     def options(self) -> dict[str, Any]:
         """Solver options of the current level, with the pinned parameters kept synchronous and the adopted
         staleness prices (trade mode)."""
-        if self.priced_out:
+        if self.priced_out or (self.config.trade and self.start_synchronous and not self.traded):
             return {**self.unpriced_options(), "max_staleness": 0}
         return self.priced_options((self.prices, self.update_prices))
 
@@ -245,6 +256,7 @@ class Preserver:
             "prices": dict(self.prices),
             "update_prices": dict(self.update_prices),
             "priced_out": self.priced_out,
+            "traded": self.traded,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,6 +271,7 @@ class Preserver:
             self.prices = {name: float(v) for name, v in state["prices"].items()}
             self.update_prices = {name: float(v) for name, v in state["update_prices"].items()}
             self.priced_out = bool(state["priced_out"])
+            self.traded = bool(state.get("traded", True))
 
     @property
     def exhausted(self) -> bool:
@@ -363,6 +376,7 @@ class Preserver:
         """Take ``prices`` (and whether the delays are priced out by their own probes) as the current trade."""
         self.prices, self.update_prices = dict(prices[0]), dict(prices[1])
         self.priced_out = priced_out
+        self.traded = True
 
     def record_trade(self, step: int, prices: tuple[dict[str, float], dict[str, float]], priced_out: bool,
                      metrics: dict[str, Any], reason: str) -> PreserverEvent:

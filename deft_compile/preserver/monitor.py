@@ -25,13 +25,14 @@ from deft_compile.planner.plan import Plan, Profile
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
-from deft_compile.preserver.staleness import same_batch_gradient_change
+from deft_compile.preserver.staleness import same_batch_gradient_change, update_metric
 
 
 class WatchedStep(Protocol):
     """What the monitor reads from and asks of the step it watches (``CompiledStep`` provides it)."""
 
     model: nn.Module
+    optimizer: torch.optim.Optimizer
     loss_fn: Callable[..., torch.Tensor] | None
     plan: Plan | None
     profile: Profile | None
@@ -128,9 +129,13 @@ class PreserverMonitor:
         started = time.perf_counter()
         state = self.step.graph.captured.model_state
         watched = sorted({p for item in self.step.items for p in item.params})
+        metric = None
+        if self.config.trade:  # prices in the optimizer's own metric (Adam: √P-weighted); the veto thresholds are not
+            by_tensor = update_metric(self.step.optimizer)
+            metric = {i: by_tensor[state.params[i]] for i in watched if state.params[i] in by_tensor}
         change = same_batch_gradient_change(
             self.step.model, state.param_names, self._before, state.params, dict(zip(state.buffer_names, state.buffers)),
-            self.step.loss_fn, args, kwargs, watched,
+            self.step.loss_fn, args, kwargs, watched, metric,
         )
         probe_ms = 1e3 * (time.perf_counter() - started + self._clone_seconds)
         means = self._all_rank_mean([change.get(p, (0.0, 0.0))[k] for k in (0, 1) for p in watched] + [probe_ms])

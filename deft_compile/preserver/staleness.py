@@ -30,6 +30,26 @@ from deft_compile.outputs import loss_of
 
 _RECOMPUTE_SEED = 0x5EED
 
+#: optimizer state holding the running second moment each step divides by, per optimizer type
+_SECOND_MOMENT = {torch.optim.Adam: "exp_avg_sq", torch.optim.AdamW: "exp_avg_sq", torch.optim.RMSprop: "square_avg",
+                  torch.optim.Adagrad: "sum"}
+
+
+def update_metric(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """Per parameter with a second moment yet: √P with P = 1 / (√v + eps), the diagonal preconditioner its update
+    applies (Adam, AdamW, RMSprop, Adagrad). A step moves p by about −lr·P·g, so Σ P·g² is its first-order
+    progress and √P-weighted norms measure gradients as the optimizer uses them. Plain SGD has none (P = 1)."""
+    key = next((k for cls, k in _SECOND_MOMENT.items() if isinstance(optimizer, cls)), None)
+    if key is None:
+        return {}
+    metric = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            v = optimizer.state.get(p, {}).get(key)
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                metric[p] = (v.detach().sqrt() + group.get("eps", 1e-8)).reciprocal().sqrt()
+    return metric
+
 
 def _loss_at(model: torch.nn.Module, names: Sequence[str], params: Sequence[torch.Tensor],
              buffers: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor] | None,
@@ -55,8 +75,12 @@ def same_batch_gradient_change(
     args: tuple,
     kwargs: dict[str, Any],
     watched: Sequence[int],
+    metric: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, tuple[float, float]]:
     """For each watched parameter index: (‖g(after) − g(before)‖², ‖g(before)‖²) on this batch.
+
+    ``metric`` (by parameter index): elementwise weights the differences and gradients are multiplied by
+    before the norms (the optimizer's √P, ``optim_support.update_metric``); plain norms without.
 
     ``before`` / ``after`` are every parameter's values (in ``param_names``
     order) before and after the step; the loss is ``loss_fn(model(args[0]),
@@ -75,5 +99,9 @@ def same_batch_gradient_change(
     for index, g_before, g_after in zip(watched, *gradients):
         if g_before is None or g_after is None:
             continue
-        result[index] = (float((g_after - g_before).double().square().sum()), float(g_before.double().square().sum()))
+        weight = metric.get(index) if metric else None
+        change, gradient = g_after - g_before, g_before
+        if weight is not None:
+            change, gradient = change * weight, gradient * weight
+        result[index] = (float(change.double().square().sum()), float(gradient.double().square().sum()))
     return result

@@ -123,6 +123,7 @@ class CompiledStep:
         self._links: list[tuple[str, dist.ProcessGroup]] = []
         # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
         # communicates), so it stays off there (docs/API.md).
+        self._profile_given = profile is not None  # the user's plan: no closed loop, no synchronous start
         closed_loop = config.closed_loop.active_for(policy, profile is not None) and config.accumulation_steps == 1
         self.closed_loop = ClosedLoop(config.closed_loop) if closed_loop else None
         self.lowering = StepLowering(config.compiler)  # Inductor or aten (deft_compile/step/lowering.py)
@@ -320,12 +321,9 @@ class CompiledStep:
             average_parameters_and_state([params[i] for i in local], self.optimizer, self._process_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, plan, profile and pending gradients (waited, so they can be saved).
-
-        With ``delayed_update="local"`` the step is flushed first: the replicas are averaged, so every rank
-        saves the same parameters and nothing is pending."""
-        if any(item.local_first for item in self._items):
-            self.flush()
+        """Step counter, plan, profile and pending gradients (waited, so they can be saved). No communication:
+        callable on one rank. With ``delayed_update="local"`` each rank holds its own replica and pending local
+        gradient; call ``flush()`` on every rank first for a checkpoint that every rank shares exactly."""
         carry = {}
         for key, tensor in self._carry.items():
             carry[key] = torch.ops._c10d_functional.wait_tensor.default(tensor).clone()
@@ -557,6 +555,8 @@ class CompiledStep:
             max_period=int(options.get("max_period", 4)),
             mean_comm_ms=sum(costs) / len(costs) if costs else 0.0,
             prior_update_prices=prior,
+            start_synchronous=(self.config.preserver.start_synchronous if self.config.preserver.start_synchronous
+                               is not None else not self._profile_given),
         )
 
     def _solver_options(self) -> dict[str, Any]:
