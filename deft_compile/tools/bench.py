@@ -112,17 +112,25 @@ def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any) -> 
         quiet = 0 if flag.item() else quiet + 1
 
 
-def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, loop: Any, limit: int = 150) -> None:
+def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, step: Any, limit: int = 150) -> None:
     """Warm up until closed-loop planning (``deft_compile.step.closed_loop``) settled on a plan: its measured
-    trials switch plans and retrace, which the timed steps must not include. Ranks decide together (its
-    decisions are agreed, so the flags are equal; the all-reduce keeps collectives matched). Bounded."""
+    trials switch plans and retrace, which the timed steps must not include. A Preserver that starts
+    synchronous (``PreserverConfig.start_synchronous``) first trades once its prices exist, after
+    ``staleness_every`` steps, and the closed loop then duels the traded plan: the warm-up runs past that
+    first trade too. Ranks decide together (the decisions are agreed, so the flags are equal; the all-reduce
+    keeps collectives matched). Bounded."""
+    loop = getattr(step, "closed_loop", None)
     if loop is None:
         return
     import torch
     import torch.distributed as dist
 
+    preserver = getattr(step, "preserver", None)
+    first_trade = (preserver.config.staleness_every + 1 if preserver is not None and preserver.start_synchronous
+                   else 0)
     for _ in range(limit):
-        flag = torch.tensor([0.0 if loop.state == "settled" else 1.0])
+        waiting = loop.state != "settled" or step.step_count < first_trade
+        flag = torch.tensor([1.0 if waiting else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
@@ -205,7 +213,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         started = time.perf_counter()
         for _ in range(cfg["warmup"]):
             call(name)
-        _settle_closed_loop(call, name, getattr(runners[name], "closed_loop", None))
+        _settle_closed_loop(call, name, runners[name])
         _settle(name, call, getattr(runners[name], "plan", None))
         warmup_s[name] = time.perf_counter() - started
 
