@@ -182,6 +182,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "deft-sync": {"plan_options": {"max_staleness": 0, "allow_period": False}},
     "deft-local": {"delayed_update": "local"},  # DeftConfig(delayed_update="local"), otherwise the defaults
     "deft-local-no-preserver": {"delayed_update": "local", "preserver": False},
+    # the two delayed semantics alone: delays only (no update period, which keeps the default semantics), no Preserver
+    "deft-delays": {"preserver": False, "plan_options": {"allow_period": False}},
+    "deft-local-delays": {"delayed_update": "local", "preserver": False, "plan_options": {"allow_period": False}},
 }
 DEFAULT_VARIANTS = ("ddp", "deft", "deft-no-preserver", "deft-no-period")
 TARGET_SPEEDUP = 1.3  # issue 16: deft reaches DDP's final validation loss at least 1.3x sooner ...
