@@ -197,3 +197,20 @@ def test_measured_profile_starts_synchronous_and_a_given_profile_does_not():
         assert report["initial_delayed"] == 0, report["history"]
         assert report["traded"], report["history"]
         assert report["max_delayed"] > 0, f"the priced trade should adopt delays on a slow link: {report['history']}"
+
+
+def test_a_trade_during_the_duel_of_the_last_trade_does_not_restart_it():
+    """The closed loop duels a traded plan against the synchronous one, alternating them in 4 x 2 blocks of
+    4 steps; the next staleness measurement (step 50) falls in a synchronous block of the duel. The Preserver compares its new
+    trade with its own standing decision, not with the duel's synchronous block, so it does not re-trade the
+    same schedule, and the duel reaches a verdict."""
+    from deft_compile.tools.launcher import run_local_workers
+    from workers import synchronous_start_run
+
+    results = [r.value for r in run_local_workers(synchronous_start_run, 2, (True, 90, True, True), timeout_s=240)]
+    for report in results:
+        history = report["history"]
+        trades = [h for h in history if h.startswith("staleness priced")]
+        assert len(trades) == 1, history
+        assert any("won the duel" in h for h in history), history
+    assert results[0]["history"] == results[1]["history"]

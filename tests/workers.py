@@ -842,7 +842,7 @@ def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int, 
 
 
 def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps: int,
-                          start_synchronous: bool | None = None) -> dict:
+                          start_synchronous: bool | None = None, closed_loop: bool = False) -> dict:
     """deft with the Preserver's trade: ``start_synchronous`` None resolves to on for a measured profile and off
     for a given one; on, the plan stays synchronous until the first trade (step 5) prices the delays."""
     from deft_compile.preserver import PreserverConfig
@@ -859,7 +859,8 @@ def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
                                           preserver=PreserverConfig(start_synchronous=start_synchronous),
-                                          closed_loop=ClosedLoopConfig(enabled=False)))
+                                          closed_loop=ClosedLoopConfig(enabled=closed_loop, warmup_steps=2,
+                                                                       measure_steps=3, duel_rounds=4, duel_steps=3)))
     step(*batches[0])
     resolved = step.preserver.start_synchronous
     for t in range(1, steps):

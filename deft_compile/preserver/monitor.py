@@ -167,13 +167,17 @@ class PreserverMonitor:
                        "top_update_prices_ms": dict(sorted(prices[1].items(), key=lambda kv: -kv[1])[:5])}
             names = [param.name for param in self.step.profile.params]
             compute = compute_ms(self.step.profile)
-            current_ms = priced_cost_ms(self.step.plan, names, *prices, compute)
+            # The Preserver's own standing decision, not whatever runs this step: the closed loop's duel
+            # alternates the traded plan with the synchronous one, and comparing with its synchronous block
+            # re-traded (and restarted the duel) at every measurement.
+            standing = self.step.solve(preserver.options)
+            current_ms = priced_cost_ms(standing, names, *prices, compute)
             candidate_ms = priced_cost_ms(priced, names, *prices, compute)
             metrics.update(current_priced_ms=current_ms, candidate_priced_ms=candidate_ms)
-            # hysteresis: a new trade must beat the running plan, priced the same way, by a margin of the step
+            # hysteresis: a new trade must beat the standing plan, priced the same way, by a margin of the step
             # (prices are medians of noisy measurements; switching costs a flush and new graphs)
             clearly_better = candidate_ms < current_ms - self.config.trade_margin * compute_ms(self.step.profile)
-            if _schedule(priced) != _schedule(self.step.plan) and (clearly_better or priced_out):
+            if _schedule(priced) != _schedule(standing) and (clearly_better or priced_out):
                 delayed = sum(1 for item in priced.items if item.delay)
                 periodic = sum(1 for item in priced.items if item.period > 1)
                 reason = (f"staleness priced (κ={self.config.staleness_price:g}): {delayed} delayed and {periodic} "
