@@ -26,6 +26,16 @@ def _state(model: nn.Module):
     return names, [p.detach().clone() for p in model.parameters()], dict(model.named_buffers())
 
 
+def _reference_gradients(names, values, bn_stats, x, y):
+    """Gradients of a fresh ``Net`` at ``values`` with the function's dropout seed (0x5EED), so masks match."""
+    clone = Net().train()
+    clone.load_state_dict({**dict(zip(names, values)), **{k: v.clone() for k, v in bn_stats.items()}})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0x5EED)
+        F.cross_entropy(clone(x), y).backward()
+        return [q.grad for q in clone.parameters()]
+
+
 def test_matches_autograd_at_both_weights_and_leaves_training_untouched():
     torch.manual_seed(0)
     model = Net().train()
@@ -40,15 +50,7 @@ def test_matches_autograd_at_both_weights_and_leaves_training_untouched():
     assert all(p.grad is None for p in model.parameters())
     assert sorted(change) == [0, 1, 4]
 
-    def reference(values):  # same dropout mask: same seed for both, as the function promises
-        clone = Net().train()
-        clone.load_state_dict({**dict(zip(names, values)), **{k: v.clone() for k, v in bn_stats.items()}})
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0x5EED)
-            F.cross_entropy(clone(x), y).backward()
-            return [p.grad for p in clone.parameters()]
-
-    g_before, g_after = reference(before), reference(after)
+    g_before, g_after = (_reference_gradients(names, v, bn_stats, x, y) for v in (before, after))
     for index in (0, 1, 4):
         diff, norm = change[index]
         assert abs(diff - float((g_after[index] - g_before[index]).double().square().sum())) < 1e-9
@@ -93,15 +95,7 @@ def test_update_metric_weights_gradients_as_the_optimizer_applies_them():
                                           by_index)
     bn_stats = {k: v.clone() for k, v in buffers.items()}
 
-    def reference(values):  # the same recomputation as the function's (same dropout seed)
-        clone = Net().train()
-        clone.load_state_dict({**dict(zip(names, values)), **{k: v.clone() for k, v in bn_stats.items()}})
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0x5EED)
-            F.cross_entropy(clone(x), y).backward()
-            return [q.grad for q in clone.parameters()]
-
-    g_before, g_after = reference(before), reference(after)
+    g_before, g_after = (_reference_gradients(names, v, bn_stats, x, y) for v in (before, after))
     for index in (0, 4):
         w = by_index[index]
         diff, norm = weighted[index]

@@ -709,13 +709,9 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
             "replicas_equal_after_flush": bool(torch.equal(flat, reference))}
 
 
-def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, drift_ms_per_step: float = 0.0,
-                    duel_rounds: int = 2) -> dict:
-    """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
-    of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
-    ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier)."""
-    from deft_compile.step.closed_loop import ClosedLoopConfig
-
+def _mlp_with_delaying_profile(rank: int, world_size: int, steps: int):
+    """The seeded ``mlp_dropout_sgd`` model and optimizer, this rank's ``steps`` batches and a slow-link profile
+    whose plan delays buckets: ``(model, optimizer, loss_fn, batches, profile)``."""
     make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
     torch.manual_seed(0)
     model = make_model()
@@ -723,7 +719,18 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
     scratch = copy.deepcopy(model)
-    profile = delaying_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    return model, optimizer, loss_fn, batches, delaying_profile(scratch, make_optimizer(scratch), loss_fn, batches[0],
+                                                                world_size)
+
+
+def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, drift_ms_per_step: float = 0.0,
+                    duel_rounds: int = 2) -> dict:
+    """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
+    of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
+    ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier)."""
+    from deft_compile.step.closed_loop import ClosedLoopConfig
+
+    model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
                         closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3,
                                                      duel_rounds=duel_rounds, duel_steps=1))
@@ -751,14 +758,7 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
     closed loop must measure it and switch to the synchronous plan."""
     from deft_compile.step.closed_loop import ClosedLoopConfig
 
-    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
-    torch.manual_seed(0)
-    model = make_model()
-    optimizer = make_optimizer(model)
-    data = torch.Generator().manual_seed(1234 + rank)
-    batches = [make_batch(data) for _ in range(steps)]
-    scratch = copy.deepcopy(model)
-    profile = delaying_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     from deft_compile.preserver import PreserverConfig
 
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
@@ -844,18 +844,12 @@ def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int, 
 def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps: int,
                           start_synchronous: bool | None = None, closed_loop: bool = False) -> dict:
     """deft with the Preserver's trade: ``start_synchronous`` None resolves to on for a measured profile and off
-    for a given one; on, the plan stays synchronous until the first trade (step 5) prices the delays."""
+    for a given one; on, the plan stays synchronous until the first trade (step 25) prices the delays."""
     from deft_compile.preserver import PreserverConfig
     from deft_compile.step.closed_loop import ClosedLoopConfig
 
-    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
-    torch.manual_seed(0)
-    model = make_model()
-    optimizer = make_optimizer(model)
-    data = torch.Generator().manual_seed(1234 + rank)
-    batches = [make_batch(data) for _ in range(steps)]
-    scratch = copy.deepcopy(model)
-    profile = delaying_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size) if profile_given else None
+    model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
+    profile = profile if profile_given else None
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
                                           preserver=PreserverConfig(start_synchronous=start_synchronous),
