@@ -471,10 +471,7 @@ class _ScheduleRewriter:
                         averaged = self.graph.call_function(WAIT, (pending,))
                     self._collect(item, averaged, point, move=not self.flush)
                     continue
-                launch_at = self.first_compute
-                if item.launch == LAUNCH_START_OF_BACKWARD and not self.flush:
-                    launch_at = self.forward_end.next
-                with self.graph.inserting_before(launch_at):
+                with self.graph.inserting_before(self._carried_launch_point(item)):
                     # The carried local gradient is this item's own tensor (made by the previous call).
                     reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
                 point = self._first_update(item.params)
@@ -490,6 +487,13 @@ class _ScheduleRewriter:
                     averaged = self.graph.call_function(WAIT, (reduced,))
                 self._collect(item, averaged, point, move=False)
 
+    def _carried_launch_point(self, item: ScheduledItem) -> fx.Node:
+        """Where a next-update item's carried gradient is launched: the start of the backward (the plan's
+        backward window, not in a flush, which has none), else the start of the step."""
+        if item.launch == LAUNCH_START_OF_BACKWARD and not self.flush:
+            return self.forward_end.next
+        return self.first_compute
+
     def _local_then_corrected(self, item: ScheduledItem, carried: dict[str, fx.Node] | None) -> None:
         """Apply g_t + (ḡ_{t-1} − g_{t-1}) (``local_first``): the previous local gradient is taken from the carry
         before the all-reduce launched at the usual point overwrites it with the average."""
@@ -499,8 +503,7 @@ class _ScheduleRewriter:
             self._collect(item, local, point, move=False)
             return
         pending = carried[pending_key(item.id)]
-        launch_at = self.forward_end.next if item.launch == LAUNCH_START_OF_BACKWARD else self.first_compute
-        with self.graph.inserting_before(launch_at):
+        with self.graph.inserting_before(self._carried_launch_point(item)):
             previous = self.graph.call_function(aten.mul.Tensor, (pending, float(item.world_size)))
             reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
         with self.graph.inserting_before(point):

@@ -124,7 +124,7 @@ class CompiledStep:
         # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
         # communicates), so it stays off there (docs/API.md).
         self._profile_given = profile is not None  # the user's plan: no closed loop, no synchronous start
-        closed_loop = config.closed_loop.active_for(policy, profile is not None) and config.accumulation_steps == 1
+        closed_loop = config.closed_loop.active_for(policy, self._profile_given) and config.accumulation_steps == 1
         self.closed_loop = ClosedLoop(config.closed_loop) if closed_loop else None
         self.lowering = StepLowering(config.compiler)  # Inductor or aten (deft_compile/step/lowering.py)
         if self._process_group is not None:
