@@ -1,12 +1,19 @@
 """Overhead of the compiled step against plain eager training, one process, no communication.
 
-    python benchmarks/overhead.py [--steps 60] [--repeats 5] [--json out.json]
+    python benchmarks/overhead.py [--steps 60] [--json out.json]
+    python benchmarks/overhead.py --presets resnet50 bert-base-hf [--compiler aten|inductor]
+
 
 For each model the compiled step and eager training (``zero_grad``, forward,
 ``backward``, ``optimizer.step``) run in alternating blocks, in the same process,
 on the same data; the ratio of their median step times is reported, with the time the
 first compiled steps spent tracing. One intra-op thread, as in the distributed
 runs. Target: compiled / eager <= 1.05.
+
+``--presets`` measures bench models instead (``deft-compile bench --model`` names: the suite's
+VGG-16-BN, ResNet-50, GPT-2 and BERT among them) with their own optimizer, loss and batch: it
+tells whether a gap between compiled ``wfbp`` and torch DDP in the suite is in the step's
+execution or in its communication.
 """
 
 from __future__ import annotations
@@ -17,12 +24,15 @@ import json
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deft_compile import deft_compile
+from deft_compile import DeftConfig, deft_compile
+from deft_compile.tools.bench import eager_step
+from deft_compile.tools.bench_models import resolve_model
 from deft_compile.tools.presets import lm_loss
 
 
@@ -69,23 +79,34 @@ def measure(name: str, steps: int, optimizer: str) -> dict:
             return torch.optim.AdamW(model.parameters(), lr=1e-4)
         return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
-    eager_opt = make_opt(eager_model)
     step = deft_compile(compiled_model, make_opt(compiled_model), loss_fn)
-    batch = make_batch(torch.Generator().manual_seed(0))
+    batch = (make_batch(torch.Generator().manual_seed(0)), {})
+    return _compare(name, optimizer, eager_step(eager_model, make_opt(eager_model), loss_fn), step, batch, steps)
 
-    def eager_step(x, y):
-        eager_opt.zero_grad(set_to_none=True)
-        loss = loss_fn(eager_model(x), y)
-        loss.backward()
-        eager_opt.step()
-        return loss.detach()
+
+def measure_preset(name: str, steps: int, compiler: str) -> dict:
+    """Compiled (``policy="wfbp"``, no process group) against eager for one bench model, its own optimizer."""
+    preset = resolve_model(name)
+    eager_model, eager_opt, loss_fn, args, kwargs = preset.make(seed=0)
+    compiled_model, compiled_opt, _, _, _ = preset.make(seed=0)
+    step = deft_compile(compiled_model, compiled_opt, loss_fn, config=DeftConfig(compiler=compiler))
+    return _compare(name, type(eager_opt).__name__.lower(), eager_step(eager_model, eager_opt, loss_fn),
+                    step, (args, kwargs), steps)
+
+
+def _compare(name: str, optimizer: str, eager: Callable[..., torch.Tensor], step: Any,
+             batch: tuple[tuple[Any, ...], dict[str, Any]], steps: int) -> dict:
+    args, kwargs = batch
+
+    def compiled(*a: Any, **k: Any) -> Any:
+        return step(*a, **k)
 
     trace_started = time.perf_counter()
-    step(*batch)  # first-step graph (creates optimizer state)
-    step(*batch)  # steady graph
+    step(*args, **kwargs)  # first-step graph (creates optimizer state)
+    step(*args, **kwargs)  # steady graph
     trace_seconds = time.perf_counter() - trace_started
-    eager_step(*batch)
-    eager_step(*batch)
+    eager(*args, **kwargs)
+    eager(*args, **kwargs)
     eager_times: list[float] = []
     compiled_times: list[float] = []
     # Alternating blocks (ABAB...) so drifts in machine load hit both equally. Not
@@ -94,11 +115,11 @@ def measure(name: str, steps: int, optimizer: str) -> dict:
     # looks ~30 % faster than it is.
     block = max(1, steps // 6)
     for _ in range(0, steps, block):
-        for fn, times in ((eager_step, eager_times), (step, compiled_times)):
-            fn(*batch)  # settle the allocator for this loop
+        for fn, times in ((eager, eager_times), (compiled, compiled_times)):
+            fn(*args, **kwargs)  # settle the allocator for this loop
             for _ in range(block):
                 started = time.perf_counter()
-                fn(*batch)
+                fn(*args, **kwargs)
                 times.append(time.perf_counter() - started)
     eager_median, compiled_median = statistics.median(eager_times), statistics.median(compiled_times)
     return {
@@ -116,9 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--presets", nargs="+", default=None, metavar="MODEL",
+                        help="bench models to measure instead of the built-in pair (e.g. resnet50 bert-base-hf)")
+    parser.add_argument("--compiler", choices=("aten", "inductor"), default="aten",
+                        help="DeftConfig.compiler for --presets (the suite's default is aten)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [measure(name, args.steps, opt) for name in MODELS for opt in ("sgd", "adamw")]
+    if args.presets:
+        rows = [measure_preset(name, args.steps, args.compiler) for name in args.presets]
+    else:
+        rows = [measure(name, args.steps, opt) for name in MODELS for opt in ("sgd", "adamw")]
     print(f"{'model':<20}{'optimizer':<10}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'trace s':>9}{'nodes':>7}")
     for r in rows:
         print(

@@ -3,6 +3,8 @@
     python benchmarks/suite.py                       # full suite -> benchmarks/results/suite.json + docs/BENCHMARKS.md
     python benchmarks/suite.py --quick               # tiny models, few steps, unshaped (seconds; the test runs it)
     python benchmarks/suite.py --emulate-accelerator # compute thread on core 0, gloo threads on core 1
+    python benchmarks/suite.py --compiler inductor   # the compiled variants' graphs through Inductor (the library's
+                                                     # default), not aten (the default here: schedule alone)
 
 Models (``deft_compile.tools.presets`` / ``bench_models``): VGG-16 with BatchNorm and ResNet-50 at CIFAR
 size, GPT-2-small-like and BERT-base-like ``transformers`` models from configs with random weights.
@@ -138,7 +140,7 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for model in models:
         common = dict(policies=policies, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                      progress=False, label=model, timeout_s=args.timeout)
+                      progress=False, label=model, timeout_s=args.timeout, compiler=args.compiler)
         rates: list[tuple[str | None, float | None]] = [(None, None)]
         if shaping:
             rates = [(bench.calibrate_rate(model, cr, common)[0], cr) for cr in args.coverage]
@@ -169,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--compiler", choices=("aten", "inductor"), default="aten",
+                        help="what runs the compiled variants' graphs (DeftConfig.compiler). aten (default here): the "
+                             "kernels eager DDP runs, so the ratios measure the schedule; inductor: what "
+                             "deft_compile runs by default, fused kernels included")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "suite.json"))
     parser.add_argument("--docs", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="'' to skip the docs section")
     args = parser.parse_args(argv)
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_suite(args)
     meta = {"command": "python benchmarks/suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": time.time() - started, "launches": args.launches,
-            "mode": "accelerator emulation" if args.emulate_accelerator else "normal"}
+            "mode": ("accelerator emulation" if args.emulate_accelerator else "normal")
+            + ("" if args.compiler == "aten" else f", compiler {args.compiler}")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
