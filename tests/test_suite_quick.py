@@ -9,10 +9,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_suite_writes_results_and_docs(tmp_path):
+def _load_suite():
     spec = importlib.util.spec_from_file_location("suite", ROOT / "benchmarks" / "suite.py")
     suite = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(suite)
+    return suite
+
+
+def test_quick_suite_writes_results_and_docs(tmp_path):
+    suite = _load_suite()
     docs = tmp_path / "BENCHMARKS.md"
     docs.write_text("# Benchmarks\n")
     out = tmp_path / "suite.json"
@@ -25,3 +30,40 @@ def test_quick_suite_writes_results_and_docs(tmp_path):
     assert suite.BEGIN in text and "| vgg16-bn-tiny |" in text
     suite.write_docs(data["results"], data["meta"], docs, None)  # regenerating replaces the section
     assert docs.read_text().count(suite.BEGIN) == 1
+
+
+def _launch(**ratios: tuple[float, float | None, float | None]) -> dict:
+    """One launch's rows: variant -> (paired ratio to DDP, predicted ms, vs floor); step ms 100 for every variant."""
+    rows = {"floor": {"step_ms": 60.0, "vs_floor": 1.0}, "ddp": {"step_ms": 100.0, "paired_vs_ddp": 1.0}}
+    for name, (paired, predicted, floor) in ratios.items():
+        rows[name] = {"step_ms": 100.0, "paired_vs_ddp": paired, "predicted_ms": predicted, "vs_floor": floor}
+    return {"rows": rows}
+
+
+def test_targets_are_checked_from_every_launch_and_never_counted_met_when_not_run():
+    suite = _load_suite()
+    entry = {"model": "m", "rate": "100mbit", "coverage_target": 1.0, "coverage_measured": 1.05,
+             "aggregate": {"floor": {}, "ddp": {}, "wfbp": {}, "deft": {}, "bytescheduler": {}, "usbyte": {}},
+             "runs": [_launch(wfbp=(1.01, None, None), deft=(0.80, 85.0, 1.10), bytescheduler=(1.2, 70.0, None),
+                              usbyte=(1.1, 95.0, None)),
+                      _launch(wfbp=(1.00, None, None), deft=(1.04, 105.0, 1.12), bytescheduler=(1.3, 70.0, None),
+                              usbyte=(1.2, 95.0, None)),
+                      _launch(wfbp=(1.05, None, None), deft=(0.82, 90.0, 1.30), bytescheduler=(1.25, 70.0, None),
+                              usbyte=(1.15, 95.0, None))]}
+    (normal,) = suite.check_targets([entry], emulated=False)
+    found = {t["target"]: t for t in normal["targets"]}
+    assert found["wfbp <= 1.02x DDP"]["met"] and found["wfbp <= 1.02x DDP"]["value"] == "1.01 (worst 1.05)"
+    assert found["deft <= 0.85x DDP at CR ~1"]["met"]  # median 0.82
+    assert not found["deft never above 1.00x DDP"]["met"]  # one launch at 1.04
+    assert found["simulator within 20% (deft)"]["met"]  # median of 0.85, 1.05, 0.90 -> -10 %
+    assert not found["simulator within 20% (bytescheduler)"]["met"]  # -30 %
+    assert found["usbyte <= bytescheduler (papers)"]["met"]
+    assert not any("floor" in name for name in found)  # the floor target is for the emulation mode
+    (emulated,) = suite.check_targets([entry], emulated=True)
+    floor = next(t for t in emulated["targets"] if "floor" in t["target"])
+    assert floor["met"] and floor["value"] == "1.12"
+    entry["runs"] = [{"rows": {k: v for k, v in run["rows"].items() if k not in ("deft", "usbyte")}}
+                     for run in entry["runs"]]
+    (partial,) = suite.check_targets([entry], emulated=True)
+    assert not any("deft" in t["target"] or "usbyte" in t["target"] for t in partial["targets"])
+    assert "| m | 100mbit (1.05) | wfbp <= 1.02x DDP |" in suite.targets_table([partial])
