@@ -9,7 +9,9 @@ interleaved blocks:
   busy at once as in every other variant;
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (eager, default buckets);
 * one ``deft_compile`` step per ``--policies`` entry (``deft`` with its default
-  Preserver and solver options).
+  Preserver and solver options; ``deft-no-preserver`` is ``deft`` with
+  ``PreserverConfig(enabled=False)``: the schedule's speed when no convergence
+  guard vetoes a delay, the closed loop still deciding by measurement).
 
 The network: ``--bandwidth none`` runs on the machine's loopback, unshaped;
 a rate (``1gbit``, ``200mbit``) runs the workers in a private network namespace
@@ -47,7 +49,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 MiB = 1 << 20
-POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync")
+POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver")
+# Bench variants that are a policy with other settings: name -> (policy, PreserverConfig fields besides the
+# defaults). Plain data, so the parent process needs no torch import.
+POLICY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"deft-no-preserver": ("deft", {"enabled": False})}
 DEFAULT_POLICIES = ("wfbp", "bytescheduler", "usbyte", "deft")
 COMPILED_DDP = "ddp-compiled"  # a baseline variant run_config accepts among its policies: torch.compile(DDP(model))
 # Kept here (not imported from bench_models) so that building the CLI parser does not import torch:
@@ -176,9 +181,13 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
                 raise RuntimeError("the floor must train locally (one-rank group)")
             runners[name] = step
         else:
-            links = tuple(cfg["extra_links"]) if name == "deft" else ()
-            step = deft_compile(model, optimizer, preset.loss_fn, policy=name,
-                                config=DeftConfig(links=links, compiler=cfg.get("compiler", "aten")))
+            from deft_compile.preserver import PreserverConfig
+
+            policy, preserver = POLICY_VARIANTS.get(name, (name, {}))
+            links = tuple(cfg["extra_links"]) if policy == "deft" else ()
+            step = deft_compile(model, optimizer, preset.loss_fn, policy=policy,
+                                config=DeftConfig(links=links, compiler=cfg.get("compiler", "aten"),
+                                                  preserver=PreserverConfig(**preserver)))
             runners[name] = compiled[name] = step
 
     progress = None
@@ -286,6 +295,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
             plan_history={n: [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool, type(None)))}
                               for h in s.plan_history] for n, s in compiled.items()},
             trace_counts={n: s.trace_count for n, s in compiled.items()},
+            preserver={n: getattr(s, "preserver", None) is not None for n, s in compiled.items()},
             measured_timeline=measured,
         )
     return result
@@ -528,8 +538,8 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         "identical_ddp_wfbp": value["identical_ddp_wfbp"], "max_abs_diff_ddp_wfbp": value["max_abs_diff_ddp_wfbp"],
         "rows": rows, "samples_ms": value["samples_ms"],
         "losses": value["losses"], "plans": value["plans"], "profiles": value["profiles"],
-        "plan_history": value["plan_history"], "measured_timeline": value.get("measured_timeline"),
-        "wall_s": elapsed,
+        "plan_history": value["plan_history"], "preserver": value["preserver"],
+        "measured_timeline": value.get("measured_timeline"), "wall_s": elapsed,
     }
 
 
