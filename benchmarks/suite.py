@@ -116,7 +116,7 @@ def check_targets(results: list[dict[str, Any]], emulated: bool) -> list[dict[st
         wfbp = _paired(entry, "wfbp")
         if wfbp:
             median = statistics.median(wfbp)
-            found.append((f"wfbp <= {WFBP_LIMIT:.2f}x DDP", f"{median:.2f} (worst {max(wfbp):.2f})",
+            found.append((f"wfbp <= {WFBP_LIMIT:.2f}x DDP", f"{median:.3f} (worst {max(wfbp):.3f})",
                           median <= WFBP_LIMIT))
         # deft's targets; the same lines for deft without its Preserver say what the schedule alone reaches
         for name in ("deft", "deft-no-preserver"):
@@ -124,15 +124,15 @@ def check_targets(results: list[dict[str, Any]], emulated: bool) -> list[dict[st
             if deft:
                 median = statistics.median(deft)
                 if target_cr is not None and target_cr <= 1.0:
-                    found.append((f"{name} <= {DEFT_LIMIT_CR1:.2f}x DDP at CR ~1", f"{median:.2f}",
+                    found.append((f"{name} <= {DEFT_LIMIT_CR1:.2f}x DDP at CR ~1", f"{median:.3f}",
                                   median <= DEFT_LIMIT_CR1))
-                found.append((f"{name} never above {DEFT_CEILING:.2f}x DDP", f"worst {max(deft):.2f}",
+                found.append((f"{name} never above {DEFT_CEILING:.2f}x DDP", f"worst {max(deft):.3f}",
                               max(deft) <= DEFT_CEILING))
             floor = [run["rows"][name]["vs_floor"] for run in entry["runs"]
                      if name in run["rows"] and run["rows"][name].get("vs_floor")]
             if emulated and floor and target_cr is not None and target_cr <= 1.0:
                 median = statistics.median(floor)
-                found.append((f"{name} <= {DEFT_FLOOR_LIMIT:.2f}x floor (emulated, CR <= 1)", f"{median:.2f}",
+                found.append((f"{name} <= {DEFT_FLOOR_LIMIT:.2f}x floor (emulated, CR <= 1)", f"{median:.3f}",
                               median <= DEFT_FLOOR_LIMIT))
         for variant, error in simulator_errors(entry).items():
             found.append((f"simulator within {SIM_TOLERANCE:.0%} ({variant})", f"{error:+.0%}",

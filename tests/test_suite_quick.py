@@ -52,7 +52,7 @@ def test_targets_are_checked_from_every_launch_and_never_counted_met_when_not_ru
                               usbyte=(1.15, 95.0, None))]}
     (normal,) = suite.check_targets([entry], emulated=False)
     found = {t["target"]: t for t in normal["targets"]}
-    assert found["wfbp <= 1.02x DDP"]["met"] and found["wfbp <= 1.02x DDP"]["value"] == "1.01 (worst 1.05)"
+    assert found["wfbp <= 1.02x DDP"]["met"] and found["wfbp <= 1.02x DDP"]["value"] == "1.010 (worst 1.050)"
     assert found["deft <= 0.85x DDP at CR ~1"]["met"]  # median 0.82
     assert not found["deft never above 1.00x DDP"]["met"]  # one launch at 1.04
     assert found["simulator within 20% (deft)"]["met"]  # median of 0.85, 1.05, 0.90 -> -10 %
@@ -61,7 +61,7 @@ def test_targets_are_checked_from_every_launch_and_never_counted_met_when_not_ru
     assert not any("floor" in name for name in found)  # the floor target is for the emulation mode
     (emulated,) = suite.check_targets([entry], emulated=True)
     floor = next(t for t in emulated["targets"] if "floor" in t["target"])
-    assert floor["met"] and floor["value"] == "1.12"
+    assert floor["met"] and floor["value"] == "1.120"
     entry["runs"] = [{"rows": {k: v for k, v in run["rows"].items() if k not in ("deft", "usbyte")}}
                      for run in entry["runs"]]
     (partial,) = suite.check_targets([entry], emulated=True)
