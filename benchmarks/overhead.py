@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--steps 60] [--json out.json]
     python benchmarks/overhead.py --presets resnet50 bert-base-hf [--compiler aten|inductor]
+    python benchmarks/overhead.py --presets resnet50 --fake-world 2
 
 
 For each model the compiled step and eager training (``zero_grad``, forward,
@@ -14,6 +15,12 @@ runs. Target: compiled / eager <= 1.05.
 VGG-16-BN, ResNet-50, GPT-2 and BERT among them) with their own optimizer, loss and batch: it
 tells whether a gap between compiled ``wfbp`` and torch DDP in the suite is in the step's
 execution or in its communication.
+
+``--fake-world N`` (with ``--presets``) runs both sides as rank 0 of an N-rank fake process group
+(``torch.testing._internal.distributed.fake_pg``: every collective returns at once): the compiled
+``wfbp`` step with its buckets, launches, waits and buffer broadcast, against torch DDP whose comm
+hook returns the bucket at once. No byte moves, so the ratio is the compute thread's cost of
+communicating, bookkeeping included: the part of a suite gap that no link explains.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -84,14 +92,26 @@ def measure(name: str, steps: int, optimizer: str) -> dict:
     return _compare(name, optimizer, eager_step(eager_model, make_opt(eager_model), loss_fn), step, batch, steps)
 
 
-def measure_preset(name: str, steps: int, compiler: str) -> dict:
-    """Compiled (``policy="wfbp"``, no process group) against eager for one bench model, its own optimizer."""
+def measure_preset(name: str, steps: int, compiler: str, fake_world: bool = False) -> dict:
+    """Compiled (``policy="wfbp"``) against eager for one bench model, its own optimizer. With ``fake_world``
+    (a fake process group is initialised) the eager side is torch DDP with a comm hook that returns at once."""
     preset = resolve_model(name)
     eager_model, eager_opt, loss_fn, args, kwargs = preset.make(seed=0)
     compiled_model, compiled_opt, _, _, _ = preset.make(seed=0)
-    step = deft_compile(compiled_model, compiled_opt, loss_fn, config=DeftConfig(compiler=compiler))
+    step = deft_compile(compiled_model, compiled_opt, loss_fn, policy="wfbp", config=DeftConfig(compiler=compiler))
+    if fake_world:
+        ddp = torch.nn.parallel.DistributedDataParallel(eager_model)
+        ddp.register_comm_hook(None, _returns_at_once)
+        eager_model = ddp
     return _compare(name, type(eager_opt).__name__.lower(), eager_step(eager_model, eager_opt, loss_fn),
                     step, (args, kwargs), steps)
+
+
+def _returns_at_once(state, bucket):  # noqa: ANN001 - DDP checks the annotations, which are strings in this module
+    """A DDP comm hook that averages nothing over the wire: the bucket scaled as DDP's default hook scales it."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer().div_(dist.get_world_size()))
+    return future
 
 
 def _compare(name: str, optimizer: str, eager: Callable[..., torch.Tensor], step: Any,
@@ -141,12 +161,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="bench models to measure instead of the built-in pair (e.g. resnet50 bert-base-hf)")
     parser.add_argument("--compiler", choices=("aten", "inductor"), default="aten",
                         help="DeftConfig.compiler for --presets (the suite's default is aten)")
+    parser.add_argument("--fake-world", type=int, default=None, metavar="N",
+                        help="with --presets: rank 0 of an N-rank fake process group, compiled wfbp against DDP "
+                             "whose collectives return at once (the compute thread's cost of communicating)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.presets:
-        rows = [measure_preset(name, args.steps, args.compiler) for name in args.presets]
-    else:
-        rows = [measure(name, args.steps, opt) for name in MODELS for opt in ("sgd", "adamw")]
+    if args.fake_world and not args.presets:
+        parser.error("--fake-world needs --presets")
+    if args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+    try:
+        if args.presets:
+            rows = [measure_preset(name, args.steps, args.compiler, bool(args.fake_world)) for name in args.presets]
+        else:
+            rows = [measure(name, args.steps, opt) for name in MODELS for opt in ("sgd", "adamw")]
+    finally:
+        if args.fake_world:
+            dist.destroy_process_group()
     print(f"{'model':<20}{'optimizer':<10}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'trace s':>9}{'nodes':>7}")
     for r in rows:
         print(

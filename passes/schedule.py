@@ -60,7 +60,7 @@ import torch.fx as fx
 
 from deft_compile.ir import ops
 from deft_compile.ir.layout import GraphLayout
-from deft_compile.passes.collectives import ALL_REDUCE, ALL_REDUCE_, WAIT, persistent_buffer
+from deft_compile.passes.collectives import ALL_REDUCE, ALL_REDUCE_, WAIT, flat_view, persistent_buffer, shaped_view
 
 aten = torch.ops.aten
 _getitem = operator.getitem
@@ -180,6 +180,7 @@ class _ScheduleRewriter:
     def __init__(self, gm: fx.GraphModule, items: list[ScheduledItem], phases: dict[int, ItemPhase], flush: bool) -> None:
         self.gm, self.graph = gm, gm.graph
         self.items, self.flush = items, flush
+        self._fresh: set[fx.Node] = set()  # tensors the emission made itself (a bucket write, a sum): writable in place
         self.phases = {item.id: phases.get(item.id, ItemPhase()) for item in items}
         self.layout: GraphLayout = gm.meta["deft_layout"]
         nodes = list(self.graph.nodes)
@@ -247,7 +248,7 @@ class _ScheduleRewriter:
     def _local_pieces(self, item: ScheduledItem) -> list[fx.Node]:
         pieces = []
         for s in item.slices:
-            flat = self.graph.call_function(aten.reshape.default, (self.markers[s.param].args[0], [-1]))
+            flat = flat_view(self.graph, self.markers[s.param].args[0])
             numel = math.prod(self.markers[s.param].meta["val"].shape)
             if s.offset != 0 or s.count != numel:
                 flat = self.graph.call_function(aten.slice.Tensor, (flat, 0, s.offset, s.offset + s.count))
@@ -259,12 +260,16 @@ class _ScheduleRewriter:
 
         With ``bucket`` (a persistent buffer) they are written into it. Without, a
         single piece is returned as is (a view of the gradient, not owned) and
-        several are concatenated into a fresh tensor (owned: see ``_owned_flat``).
+        several are concatenated into a fresh tensor (owned: see ``_owned``).
         """
         pieces = self._local_pieces(item)
         if bucket is not None:
-            return self.graph.call_function(aten.cat.out, (pieces,), {"out": bucket})
-        return self.graph.call_function(aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
+            return self._made(self.graph.call_function(aten.cat.out, (pieces,), {"out": bucket}))
+        return self._made(self.graph.call_function(aten.cat.default, (pieces,))) if len(pieces) > 1 else pieces[0]
+
+    def _made(self, node: fx.Node) -> fx.Node:
+        self._fresh.add(node)
+        return node
 
     def _bucket(self, item: ScheduledItem) -> fx.Node:
         """The persistent flat buffer of an item applied in this step (one per item and graph)."""
@@ -286,10 +291,11 @@ class _ScheduleRewriter:
             return self.graph.call_function(aten.mul_.Tensor, (flat, self._scale_factor(item)))
         return self.graph.call_function(aten.mul.Tensor, (flat, self._scale_factor(item)))
 
-    @staticmethod
-    def _owned(node: fx.Node) -> bool:
-        """Whether ``node`` is a fresh tensor only this item's emission made (safe to write in place)."""
-        return node.op == "call_function" and node.target in (aten.cat.default, aten.cat.out, aten.add.Tensor)
+    def _owned(self, node: fx.Node) -> bool:
+        """Whether ``node`` is a fresh tensor only this item's emission made (safe to write in place). A 1-D
+        gradient goes into a single-piece item as itself, not a view node: it may come from an ``add`` (a tied
+        parameter's two contributions), so ownership is what the emission made, never what an op looks like."""
+        return node in self._fresh
 
     def _split(self, item: ScheduledItem, averaged: fx.Node) -> dict[int, list[tuple[int, fx.Node]]]:
         counts = [s.count for s in item.slices]
@@ -307,7 +313,7 @@ class _ScheduleRewriter:
         pieces = sorted(pieces, key=lambda piece: piece[0])
         shape = list(self.markers[param].meta["val"].shape)
         flat = pieces[0][1] if len(pieces) == 1 else self.graph.call_function(aten.cat.default, ([p for _, p in pieces],))
-        return self.graph.call_function(aten.view.default, (flat, shape))
+        return shaped_view(self.graph, flat, shape)
 
     # -- the rewrite ------------------------------------------------------------
     def run(self) -> None:
@@ -368,7 +374,7 @@ class _ScheduleRewriter:
             with self.graph.inserting_before(insert_at):
                 local = self._local_flat(item, bucket=self._bucket(item) if persistent else None)
                 if phase.accumulated_in:
-                    local = self.graph.call_function(aten.add.Tensor, (carried[accumulator_key(item.id)], local))
+                    local = self._made(self.graph.call_function(aten.add.Tensor, (carried[accumulator_key(item.id)], local)))
                 if item.drop is not None:
                     reduced, restore = self._send_chunks(item, local)
             if item.drop is not None:
