@@ -55,7 +55,7 @@ def flat_view(graph: fx.Graph, tensor: fx.Node) -> fx.Node:
 
     Models with many small tensors (a BatchNorm's weight, bias and running statistics, a LayerNorm,
     every bias) would otherwise pay one op dispatch from Python per tensor per step for a no-op: on
-    ResNet-50 the buckets and the buffer broadcast added 640 such nodes, several percent of its step.
+    ResNet-50 the buckets and the buffer broadcast had 426 such nodes (reshape in, view out).
     """
     value = tensor.meta.get("val")
     if isinstance(value, torch.Tensor) and value.dim() == 1:
