@@ -85,8 +85,10 @@ def schedule_report() -> dict:
             scaled = node.args[0]
             flat = scaled.args[0]
             pieces = flat.args[0] if flat.target is aten.cat.default else [flat.args[0]]
-            gradients = [piece.args[0] for piece in pieces]
-            chain_start = min(position[p] for p in pieces)
+            # a piece is reshape(gradient), or the gradient itself when it is 1-D (no no-op node)
+            gradients = [piece.args[0] if piece.target is aten.reshape.default else piece for piece in pieces]
+            chain = [piece for piece in pieces if piece.target is aten.reshape.default] + [flat]
+            chain_start = min(position[n] for n in chain)
             last_gradient = max(position[g] for g in gradients)
             if chain_start != last_gradient + 1:
                 report["launch_after_last_gradient"] = False
