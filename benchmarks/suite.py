@@ -88,9 +88,10 @@ def table(results: list[dict[str, Any]]) -> str:
 WFBP_LIMIT, DEFT_LIMIT_CR1, DEFT_CEILING, DEFT_FLOOR_LIMIT, SIM_TOLERANCE = 1.02, 0.85, 1.00, 1.15, 0.20
 
 
-def _paired(entry: dict[str, Any], variant: str) -> list[float]:
-    return [run["rows"][variant]["paired_vs_ddp"] for run in entry["runs"]
-            if variant in run["rows"] and run["rows"][variant].get("paired_vs_ddp") is not None]
+def _per_launch(entry: dict[str, Any], variant: str, key: str) -> list[float]:
+    """``key`` of ``variant``'s row in every launch that measured it."""
+    return [run["rows"][variant][key] for run in entry["runs"]
+            if variant in run["rows"] and run["rows"][variant].get(key) is not None]
 
 
 def simulator_errors(entry: dict[str, Any]) -> dict[str, float]:
@@ -113,14 +114,14 @@ def check_targets(results: list[dict[str, Any]], emulated: bool) -> list[dict[st
         cr = entry.get("coverage_measured") or None
         target_cr = entry.get("coverage_target")
         found: list[tuple[str, str, bool]] = []
-        wfbp = _paired(entry, "wfbp")
+        wfbp = _per_launch(entry, "wfbp", "paired_vs_ddp")
         if wfbp:
             median = statistics.median(wfbp)
             found.append((f"wfbp <= {WFBP_LIMIT:.2f}x DDP", f"{median:.3f} (worst {max(wfbp):.3f})",
                           median <= WFBP_LIMIT))
         # deft's targets; the same lines for deft without its Preserver say what the schedule alone reaches
         for name in ("deft", "deft-no-preserver"):
-            deft = _paired(entry, name)
+            deft = _per_launch(entry, name, "paired_vs_ddp")
             if deft:
                 median = statistics.median(deft)
                 if target_cr is not None and target_cr <= 1.0:
@@ -128,8 +129,7 @@ def check_targets(results: list[dict[str, Any]], emulated: bool) -> list[dict[st
                                   median <= DEFT_LIMIT_CR1))
                 found.append((f"{name} never above {DEFT_CEILING:.2f}x DDP", f"worst {max(deft):.3f}",
                               max(deft) <= DEFT_CEILING))
-            floor = [run["rows"][name]["vs_floor"] for run in entry["runs"]
-                     if name in run["rows"] and run["rows"][name].get("vs_floor")]
+            floor = _per_launch(entry, name, "vs_floor")
             if emulated and floor and target_cr is not None and target_cr <= 1.0:
                 median = statistics.median(floor)
                 found.append((f"{name} <= {DEFT_FLOOR_LIMIT:.2f}x floor (emulated, CR <= 1)", f"{median:.3f}",
@@ -137,7 +137,7 @@ def check_targets(results: list[dict[str, Any]], emulated: bool) -> list[dict[st
         for variant, error in simulator_errors(entry).items():
             found.append((f"simulator within {SIM_TOLERANCE:.0%} ({variant})", f"{error:+.0%}",
                           abs(error) <= SIM_TOLERANCE))
-        bs, ub = _paired(entry, "bytescheduler"), _paired(entry, "usbyte")
+        bs, ub = (_per_launch(entry, name, "paired_vs_ddp") for name in ("bytescheduler", "usbyte"))
         if bs and ub:
             found.append(("usbyte <= bytescheduler (papers)", f"{statistics.median(ub):.2f} vs {statistics.median(bs):.2f}",
                           statistics.median(ub) <= statistics.median(bs)))

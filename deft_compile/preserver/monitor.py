@@ -176,7 +176,7 @@ class PreserverMonitor:
             metrics.update(current_priced_ms=current_ms, candidate_priced_ms=candidate_ms)
             # hysteresis: a new trade must beat the standing plan, priced the same way, by a margin of the step
             # (prices are medians of noisy measurements; switching costs a flush and new graphs)
-            clearly_better = candidate_ms < current_ms - self.config.trade_margin * compute_ms(self.step.profile)
+            clearly_better = candidate_ms < current_ms - self.config.trade_margin * compute
             if _schedule(priced) != _schedule(standing) and (clearly_better or priced_out):
                 delayed = sum(1 for item in priced.items if item.delay)
                 periodic = sum(1 for item in priced.items if item.period > 1)

@@ -149,6 +149,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     import torch.nn as nn
 
     from deft_compile import DeftConfig, deft_compile
+    from deft_compile.preserver import PreserverConfig
     from deft_compile.tools.bench_models import resolve_model
     from deft_compile.planner.profiler import measure_allreduce
 
@@ -181,8 +182,6 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
                 raise RuntimeError("the floor must train locally (one-rank group)")
             runners[name] = step
         else:
-            from deft_compile.preserver import PreserverConfig
-
             policy, preserver = POLICY_VARIANTS.get(name, (name, {}))
             links = tuple(cfg["extra_links"]) if policy == "deft" else ()
             step = deft_compile(model, optimizer, preset.loss_fn, policy=policy,
@@ -295,7 +294,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
             plan_history={n: [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool, type(None)))}
                               for h in s.plan_history] for n, s in compiled.items()},
             trace_counts={n: s.trace_count for n, s in compiled.items()},
-            preserver={n: getattr(s, "preserver", None) is not None for n, s in compiled.items()},
+            preserver={n: s.preserver is not None for n, s in compiled.items()},
             measured_timeline=measured,
         )
     return result
