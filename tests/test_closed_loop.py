@@ -93,3 +93,37 @@ def test_periodic_plans_are_timed_over_whole_cycles():
     times = [10.0, 10.0, 10.0, 50.0] * 3
     assert plan_step_ms(times, 4) == 20.0
     assert plan_step_ms(times, 1) == 10.0
+
+
+def test_steps_that_ran_a_graph_cold_are_left_out_of_a_plans_time():
+    """An Inductor compile (or a graph's first run) inside the window is the compiler's time, not the plan's:
+    such steps count towards the window but not towards the median, unless nothing else is left."""
+    from deft_compile.step.closed_loop import plan_step_ms
+
+    times, cold = [900.0, 850.0, 10.0, 11.0, 12.0], [True, True, False, False, False]
+    assert plan_step_ms(times, 1) == 12.0
+    assert plan_step_ms(times, 1, cold) == 11.0
+    assert plan_step_ms([900.0, 800.0], 1, [True, True]) == 850.0
+    cycles = [900.0, 10.0, 10.0, 50.0, 10.0, 10.0, 50.0, 10.0, 10.0, 10.0, 50.0, 10.0]
+    marks = [True] + [False] * 11
+    assert plan_step_ms(cycles, 4, marks) == 20.0  # the first cycle, which compiled, is left out
+
+
+def test_the_runtime_marks_steps_that_compile_for_the_closed_loop():
+    """One process, Inductor: the first run of a step graph is aten and the second compiles it; both are
+    cold runs, the third is not."""
+    import torch
+    import torch.nn.functional as F
+
+    from deft_compile import DeftConfig, deft_compile
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
+                        config=DeftConfig(compiler="inductor"))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    counts = []
+    for _ in range(3):
+        step(x, y)
+        counts.append(step.lowering.cold_runs)
+    assert counts == [1, 2, 2], counts

@@ -214,3 +214,116 @@ def test_a_trade_during_the_duel_of_the_last_trade_does_not_restart_it():
         assert len(trades) == 1, history
         assert any("won the duel" in h for h in history), history
     assert results[0]["history"] == results[1]["history"]
+
+
+def test_a_loss_signal_is_acted_on_only_when_the_paired_replay_blames_staleness():
+    preserver = _preserver(patience=1, loss_tolerance=0.05, loss_floor=0.02)
+    assert preserver.loss_signal(10, 1.0) is None
+    signal = preserver.loss_signal(20, 1.5)
+    assert signal is not None and signal.finite and "exceeds the best" in signal.reason
+    # the synchronous arm rose as much: the workload's own rise; the best window is measured anew
+    assert preserver.attribute(signal, 25, stale_loss=1.50, sync_loss=1.49) is None
+    assert preserver.level == 0 and len(preserver.dismissed) == 1
+    assert "staleness did not cause it" in preserver.dismissed[0].reason
+    assert preserver.loss_signal(30, 1.4) is None, "the rise was dismissed: 1.4 is the new best, not harm"
+    signal = preserver.loss_signal(40, 2.0)
+    event = preserver.attribute(signal, 45, stale_loss=2.0, sync_loss=1.5)
+    assert event is not None and preserver.level == 1 and "paired replay" in event.reason
+    assert event.metrics["replay_stale_loss"] == 2.0 and event.metrics["replay_synchronous_loss"] == 1.5
+    assert preserver.attribute(preserver.loss_signal(50, float("inf")) or signal, 55, float("inf"), 1.0) is not None
+
+
+def test_a_loss_that_is_not_finite_is_a_signal_that_needs_no_attribution():
+    preserver = _preserver()
+    preserver.loss_signal(10, 1.0)
+    signal = preserver.loss_signal(20, float("nan"))
+    assert signal is not None and not signal.finite
+
+
+def test_replay_lag_is_the_largest_mean_staleness():
+    from deft_compile.preserver.attribution import lag_steps
+
+    assert lag_steps({}) == 0
+    assert lag_steps({"a": (1, 1)}) == 1
+    assert lag_steps({"a": (0, 4), "b": (1, 1)}) == 2  # (4 - 1) / 2 = 1.5, rounded up
+    assert lag_steps({"a": (1, 3)}) == 2
+
+
+def _replay_case(lr: float):
+    import torch
+
+    from deft_compile.preserver.attribution import Snapshot, kept_batch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    batches = []
+    for _ in range(6):
+        x = torch.randn(32, 8)
+        batches.append(kept_batch((x, x.sum(1, keepdim=True)), {}))
+    return model, optimizer, batches, Snapshot(model, optimizer)
+
+
+def test_synchronous_replay_is_plain_training_and_leaves_the_model_alone():
+    import torch
+    import torch.nn.functional as F
+
+    from deft_compile.preserver.attribution import _REPLAY_SEED, replay
+
+    model, optimizer, batches, snapshot = _replay_case(0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    losses = replay(model, snapshot, F.mse_loss, batches, {}, evaluate_after=(3,))
+    assert set(losses) == {3, 6}
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the replay trains copies"
+    # the same training, eager, on the model itself with the same dropout seeds
+    for t, ((x, y), _) in enumerate(batches):
+        torch.manual_seed(_REPLAY_SEED + t)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        expected = []
+        for t, ((x, y), _) in enumerate(batches):
+            torch.manual_seed(_REPLAY_SEED + t)
+            expected.append(float(F.mse_loss(model(x), y)))
+    assert losses[6] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_replay_with_delays_is_worse_where_staleness_destabilises_training():
+    """Momentum SGD at a rate that synchronous training survives and one step of staleness does not."""
+    import torch.nn.functional as F
+
+    from deft_compile.preserver.attribution import replay
+
+    model, _optimizer, batches, snapshot = _replay_case(0.09)
+    everything_delayed = {name: (1, 1) for name in snapshot.names}
+    stale = replay(model, snapshot, F.mse_loss, batches * 3, everything_delayed)[18]
+    synchronous = replay(model, snapshot, F.mse_loss, batches * 3, {}, evaluate_after=(17,))[17]
+    assert stale > 2 * synchronous, (stale, synchronous)
+    periodic = replay(model, snapshot, F.mse_loss, batches, {name: (0, 2) for name in snapshot.names})
+    assert set(periodic) == {6} and periodic[6] < float("inf")
+
+
+def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_staleness_causes():
+    """2 gloo workers, a plan that delays every bucket but one, the Preserver's loss rules only. (a) At step
+    20 the targets get noisy: the window loss doubles under any schedule. The plan runs synchronous while 5
+    minibatches are replayed from the same state with and without the delays; they end alike, so the signal
+    is dismissed and the delays come back. (b) At a learning rate where staleness makes momentum SGD
+    diverge, the replay blames the delays and the Preserver steps down to a synchronous plan."""
+    import math
+
+    from deft_compile.tools.launcher import run_local_workers
+    from workers import attribution_run
+
+    noisy = run_local_workers(attribution_run, 2, (0.002, 40, 20), timeout_s=240)[0].value
+    reasons = [entry["reason"] for entry in noisy["history"]]
+    assert any("synchronous while a loss rise is attributed" in r for r in reasons), reasons
+    assert "back to the plan" in reasons[-1], reasons
+    assert noisy["dismissed"] and "staleness did not cause it" in noisy["dismissed"][0], noisy["dismissed"]
+    assert noisy["delayed_now"] > 0 and noisy["events"] == [], noisy["events"]
+    assert noisy["overheads"]["attribution_seconds"] > 0
+
+    unstable = run_local_workers(attribution_run, 2, (0.02, 45, None), timeout_s=240)[0].value
+    assert any("paired replay" in event for event in unstable["events"]), unstable["events"]
+    assert unstable["delayed_now"] == 0 and not unstable["dismissed"]
+    assert math.isfinite(unstable["losses"][-1]) and unstable["losses"][-1] < 2.0, unstable["losses"]

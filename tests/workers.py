@@ -560,6 +560,39 @@ def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: i
             "overheads": step.overheads}
 
 
+def attribution_run(rank: int, world_size: int, lr: float, steps: int, shift_at: int | None) -> dict:
+    """``preserver_run``'s regression MLP and delaying plan with the Preserver's loss rules only (no staleness
+    measurements): from ``shift_at`` the targets carry noise, so the loss jumps whatever the schedule (a hard
+    stretch of data: the workload's own rise). Returns the losses, the plan history and the Preserver's decisions and dismissals."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from deft_compile.preserver import PreserverConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    data = torch.Generator().manual_seed(10 + rank)
+    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
+    batches = []
+    for t in range(steps):
+        x = torch.randn(64, 16, generator=data)
+        noise = 3.0 * torch.randn(64, 1, generator=data) if shift_at is not None and t >= shift_at else 0.0
+        batches.append((x, x @ teacher + noise))
+    scratch = copy.deepcopy(model)
+    profile = delaying_profile(scratch, torch.optim.SGD(scratch.parameters(), lr=lr), F.mse_loss, batches[0], world_size)
+    config = DeftConfig(plan_options={"first_bucket_bytes": 1, "bucket_cap_bytes": 1, "allow_period": False},
+                        preserver=PreserverConfig(check_every=5, staleness_every=0, trade=False))
+    step = deft_compile(model, optimizer, F.mse_loss, policy="deft", profile=profile, config=config)
+    losses = [float(step(x, y)) for x, y in batches]
+    step.flush()
+    return {"losses": losses, "history": step.plan_history,
+            "events": [str(e) for e in step.preserver.history],
+            "dismissed": [e.reason for e in step.preserver.dismissed],
+            "delayed_now": sum(1 for item in step.plan.items if item.delay),
+            "overheads": step.overheads}
+
+
 def dumped_deft_run(rank: int, world_size: int, dump_dir: str, steps: int) -> dict:
     """deft with dump_dir on 2 ranks: returns what the runtime wrote and the code that ran."""
     import os

@@ -34,6 +34,17 @@ every rank takes the same decision without extra agreement):
   (``probe_every``), a short synchronous reference window is run and its mean
   loss compared with the delayed window just before it.
 
+A finite loss signal is only acted on when staleness caused it
+(``attribute_loss``): while the running plan is synchronous it is dismissed at
+once, and otherwise the monitor replays the next ``attribution_steps``
+minibatches from the state at the signal twice on every rank, synchronous and
+with the plan's staleness (:mod:`deft_compile.preserver.attribution`), and
+steps down only if the stale arm ends with a higher loss by ``loss_tolerance``
+and ``loss_floor`` (``attribute``). A rise that synchronous training shares
+(a learning-rate schedule, a hard stretch of data) is dismissed: recorded in
+``dismissed`` and the best window is measured anew. A loss that is not finite
+is acted on at once.
+
 A loss signal steps down a ladder of global options and re-solves: halve the
 largest update period (down to no period), then price staleness so only
 buckets that hide much more communication stay delayed, then fully synchronous
@@ -111,6 +122,13 @@ class PreserverConfig:
             predicted time plus price beats the running plan's, priced the
             same way, by this share of the compute step time (hysteresis:
             prices are medians of noisy measurements, a switch costs a flush).
+        attribute_loss: act on a finite loss signal only if staleness caused it:
+            dismiss it while the plan is synchronous, else replay the next
+            ``attribution_steps`` minibatches from the same state with and
+            without the plan's staleness and step down only if the stale
+            replay ends worse (by ``loss_tolerance`` and ``loss_floor``).
+            False: every loss signal steps down at once.
+        attribution_steps: minibatches of that paired replay.
         start_synchronous: trade mode: no delays until staleness prices exist
             (a full window of ``staleness_window`` measurements: step
             ``staleness_every``, 25 by default); the first plan is synchronous
@@ -139,6 +157,8 @@ class PreserverConfig:
     probe_budget: float = 0.05
     trade_margin: float = 0.05
     start_synchronous: bool | None = None
+    attribute_loss: bool = True
+    attribution_steps: int = 5
 
     def __post_init__(self) -> None:
         if self.divergence_factor <= 1.0:
@@ -149,6 +169,8 @@ class PreserverConfig:
             raise ValueError("staleness_every must be >= 0 (0 turns the staleness error off)")
         if not 0.0 <= self.release_ratio <= 1.0:
             raise ValueError("release_ratio must be in [0, 1]")
+        if self.attribution_steps < 1:
+            raise ValueError("attribution_steps must be at least 1")
         if self.staleness_window < 1:
             raise ValueError("staleness_window must be at least 1")
         if self.staleness_price < 0 or self.probe_budget < 0 or self.probe_backoff < 1 or self.trade_margin < 0:
@@ -171,6 +193,16 @@ class PreserverEvent:
             if key in options:
                 options[key] = f"<{len(options[key])} parameters>"
         return f"step {self.step}: {self.reason} -> level {self.level} {options}"
+
+
+@dataclass
+class LossSignal:
+    """The loss rules found harm at ``step``: why, the measurements, and whether the loss is still finite."""
+
+    step: int
+    reason: str
+    metrics: dict[str, Any]
+    finite: bool = True
 
 
 @dataclass
@@ -201,6 +233,7 @@ class Preserver:
         self.update_prices: dict[str, float] = dict(self.prior_update_prices) if self.config.trade else {}
         self.priced_out = False  # the trade found the delays worth less than the probes that watch them
         self.traded = False  # a staleness measurement has priced the delays (trade mode)
+        self.dismissed: list[PreserverEvent] = []  # loss signals staleness did not cause (``attribute_loss``)
 
     # -- the ladder -----------------------------------------------------------
     def _build_ladder(self) -> list[tuple[str, dict[str, Any]]]:
@@ -385,14 +418,16 @@ class Preserver:
         return self._record(step, reason, metrics)
 
     # -- signals --------------------------------------------------------------
-    def observe_window(self, step: int, mean_loss: float) -> PreserverEvent | None:
-        """One loss window ended with this all-rank mean loss. Returns a decision or None."""
+    def loss_signal(self, step: int, mean_loss: float) -> LossSignal | None:
+        """One loss window ended with this all-rank mean loss: a signal of harm, or None. Updates the best
+        window and the count of harmful windows; decides nothing (``observe_window`` or ``attribute`` do)."""
         metrics: dict[str, Any] = {"mean_loss": mean_loss}
-        if not math.isfinite(mean_loss) or (
-            self._best_loss is not None and mean_loss > self._best_loss * self.config.divergence_factor
-            and mean_loss - self._best_loss > self.config.loss_floor
-        ):
-            return self._step_down(step, f"training diverges: window mean loss {mean_loss:.4g} (best {self._best_loss})", metrics)
+        if not math.isfinite(mean_loss):
+            return LossSignal(step, f"training diverges: window mean loss {mean_loss:.4g}", metrics, finite=False)
+        if (self._best_loss is not None and mean_loss > self._best_loss * self.config.divergence_factor
+                and mean_loss - self._best_loss > self.config.loss_floor):
+            return LossSignal(step, f"training diverges: window mean loss {mean_loss:.4g} (best {self._best_loss:.4g})",
+                              metrics)
         if self._best_loss is None or mean_loss < self._best_loss:
             self._best_loss = mean_loss
             self._harmful_windows = 0
@@ -400,7 +435,7 @@ class Preserver:
               and mean_loss - self._best_loss > self.config.loss_floor):
             self._harmful_windows += 1
             if self._harmful_windows >= self.config.patience:
-                return self._step_down(
+                return LossSignal(
                     step,
                     f"window mean loss {mean_loss:.4g} exceeds the best {self._best_loss:.4g} by more than "
                     f"{self.config.loss_tolerance:.0%} and {self.config.loss_floor:g} for {self._harmful_windows} windows",
@@ -409,6 +444,37 @@ class Preserver:
         else:
             self._harmful_windows = 0
         return None
+
+    def observe_window(self, step: int, mean_loss: float) -> PreserverEvent | None:
+        """One loss window ended with this all-rank mean loss: step down on any signal, without attribution."""
+        signal = self.loss_signal(step, mean_loss)
+        return self._step_down(step, signal.reason, signal.metrics) if signal is not None else None
+
+    def attribute(self, signal: LossSignal, step: int, stale_loss: float, sync_loss: float) -> PreserverEvent | None:
+        """The paired replay of ``signal`` ended: step down if the plan's staleness made the loss worse than
+        synchronous updates did from the same state on the same minibatches, else dismiss the signal."""
+        metrics = {**signal.metrics, "replay_stale_loss": stale_loss, "replay_synchronous_loss": sync_loss}
+        worse = not math.isfinite(stale_loss) or (
+            stale_loss > sync_loss * (1 + self.config.loss_tolerance) and stale_loss - sync_loss > self.config.loss_floor)
+        comparison = f"paired replay of {self.config.attribution_steps} steps: {stale_loss:.4g} with the plan's staleness, " \
+                     f"{sync_loss:.4g} synchronous"
+        if worse:
+            return self._step_down(step, f"{signal.reason}; {comparison}", metrics)
+        self.dismiss(step, signal, f"{comparison}: staleness did not cause it", metrics)
+        return None
+
+    def dismiss(self, step: int, signal: LossSignal, why: str, metrics: dict[str, Any] | None = None) -> None:
+        """A loss signal that staleness did not cause: keep the plan, record it, and measure the best window anew
+        (the rise is the training's own; judging later windows against the old best would signal it again)."""
+        self._best_loss = None
+        self._harmful_windows = 0
+        event = PreserverEvent(step=step, reason=f"{signal.reason}; dismissed: {why}",
+                               metrics=metrics or signal.metrics, options=self.options, level=self.level)
+        self.dismissed.append(event)
+        log.info("Preserver at step %d: %s", step, event.reason)
+        from deft_compile.debug.artifacts import log_structured
+
+        log_structured("preserver_dismissed", {"step": step, "reason": event.reason, "metrics": event.metrics})
 
     def observe_probe(self, step: int, plan_losses: list[float], sync_losses: list[float]) -> PreserverEvent | None:
         """Compare a synchronous reference window with the window of the current plan just before it."""

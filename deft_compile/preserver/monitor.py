@@ -7,7 +7,10 @@ number. Every ``staleness_every`` steps, when the plan has stale items (or
 buckets the Preserver pinned), it copies the parameters before the step and
 afterwards recomputes the step's minibatch gradient at both weights (two eager
 forward/backward passes, see :mod:`deft_compile.preserver.staleness`), then all-reduces
-two numbers per bucket.
+two numbers per bucket. After a finite loss signal while the plan has staleness,
+it keeps a copy of the state and of the next ``attribution_steps`` minibatches and
+replays them with and without the plan's staleness
+(:mod:`deft_compile.preserver.attribution`), then all-reduces two numbers.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch.nn as nn
 
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
 from deft_compile.planner.plan import Plan, Profile
-from deft_compile.preserver.decisions import Preserver, PreserverEvent
+from deft_compile.preserver.attribution import Schedule, Snapshot, mean_loss, kept_batch, lag_steps, replay
+from deft_compile.preserver.decisions import LossSignal, Preserver, PreserverEvent
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
 from deft_compile.preserver.staleness import same_batch_gradient_change, update_metric
@@ -34,6 +38,8 @@ class WatchedStep(Protocol):
     model: nn.Module
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[..., torch.Tensor] | None
+    config: Any  # DeftConfig: max_grad_norm is replayed by the loss attribution
+    last_call_updated: bool
     plan: Plan | None
     profile: Profile | None
     step_count: int
@@ -61,6 +67,8 @@ class PreserverMonitor:
         self._probe: dict | None = None
         self.probe_seconds = 0.0  # wall-clock time spent measuring staleness (cloning weights, recomputing)
         self._clone_seconds = 0.0  # the weight copy of the measurement under way
+        self._attribution: dict | None = None  # a loss signal's paired replay, collecting its minibatches
+        self.attribution_seconds = 0.0  # wall-clock time spent on paired replays (copies and both arms)
 
     def state_dict(self) -> dict:
         """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one."""
@@ -208,7 +216,11 @@ class PreserverMonitor:
         self._loss_sum += value
         self._loss_count += 1
         event = None
-        if self._before is not None and self.config.trade:
+        if self._attribution is not None and self.step.last_call_updated:
+            event = self._collect_for_attribution(step_count, args, kwargs)
+        if event is not None:
+            self._before = None  # the plan changed: this step's staleness measurement is of the old one
+        elif self._before is not None and self.config.trade:
             started = time.perf_counter()
             changes, probe_ms = self._parameter_changes(args, kwargs)
             self._before = None
@@ -225,9 +237,9 @@ class PreserverMonitor:
         if event is None and step_count % self.config.check_every == 0:
             mean_loss = self._all_rank_mean([self._loss_sum / self._loss_count])[0]
             self._loss_sum, self._loss_count = 0.0, 0
-            event = self.preserver.observe_window(step_count, mean_loss)
-            if event is not None:
-                self._apply(event)
+            if self._attribution is None or not math.isfinite(mean_loss):  # a replay under way decides, unless
+                self._attribution = None                                     # the loss is lost already
+                event = self._on_loss_window(step_count, mean_loss)
         if (
             event is None
             and self.config.probe_every > 0
@@ -238,6 +250,69 @@ class PreserverMonitor:
             self._probe = {"plan_losses": list(self._recent_losses), "sync_losses": [], "options": self.preserver.options}
             self.step.switch_plan({**self.preserver.options, "max_staleness": 0, "allow_period": False},
                                   "Preserver probe: synchronous reference window")
+        return event
+
+    def _on_loss_window(self, step_count: int, mean_loss: float) -> PreserverEvent | None:
+        """A loss window ended: step down on a signal that staleness may have caused, after attributing it
+        (``PreserverConfig.attribute_loss``); a loss that is not finite steps down at once."""
+        signal = self.preserver.loss_signal(step_count, mean_loss)
+        if signal is None:
+            return None
+        if self.config.attribute_loss and signal.finite:
+            schedule = self._stale_schedule()
+            if not schedule:
+                self.preserver.dismiss(step_count, signal, "the plan in force has no delay and no update period")
+                return None
+            # safe first: synchronous while the replay's minibatches arrive, so a real harm grows no further
+            standing = _schedule(self.step.solve(self.preserver.options))
+            self.step.switch_plan({**self.preserver.options, "max_staleness": 0, "allow_period": False},
+                                  f"Preserver: synchronous while a loss rise is attributed ({signal.reason})")
+            started = time.perf_counter()  # after the switch's flush: the snapshot has nothing pending
+            self._attribution = {"signal": signal, "schedule": schedule, "batches": [], "standing": standing,
+                                 "snapshot": Snapshot(self.step.model, self.step.optimizer)}
+            self.attribution_seconds += time.perf_counter() - started
+            return None
+        event = self.preserver._step_down(step_count, signal.reason, signal.metrics)
+        if event is not None:
+            self._apply(event)
+        return event
+
+    def _stale_schedule(self) -> Schedule:
+        """Parameter name -> (delay, period) of every parameter the Preserver's standing plan makes stale (a
+        parameter split over items takes the most stale of its slices)."""
+        names = [param.name for param in self.step.profile.params]
+        schedule: Schedule = {}
+        for item in self.step.solve(self.preserver.options).items:
+            if item.delay or item.period > 1:
+                for piece in item.slices:
+                    delay, period = schedule.get(names[piece.param], (0, 1))
+                    schedule[names[piece.param]] = (max(delay, item.delay), max(period, item.period))
+        return schedule
+
+    def _collect_for_attribution(self, step_count: int, args: tuple, kwargs: dict) -> PreserverEvent | None:
+        """Keep this step's minibatch for the replay; with all of them, replay both arms and let the Preserver
+        judge the signal on the all-rank means. Returns the step-down, if any."""
+        started = time.perf_counter()
+        attribution = self._attribution
+        attribution["batches"].append(kept_batch(args, kwargs))
+        if len(attribution["batches"]) < self.config.attribution_steps:
+            self.attribution_seconds += time.perf_counter() - started
+            return None
+        self._attribution = None
+        schedule, batches, snapshot = attribution["schedule"], attribution["batches"], attribution["snapshot"]
+        lagged = max(0, len(batches) - lag_steps(schedule))  # the synchronous arm this many steps in
+        clip = self.step.config.max_grad_norm
+        stale = replay(self.step.model, snapshot, self.step.loss_fn, batches, schedule, clip)[len(batches)]
+        synchronous = replay(self.step.model, snapshot, self.step.loss_fn, batches, {}, clip, (lagged,))[lagged] \
+            if lagged > 0 else mean_loss(self.step.model, snapshot, snapshot.params, self.step.loss_fn, batches)
+        stale, synchronous = self._all_rank_mean([min(stale, 1e300), min(synchronous, 1e300)])
+        self.attribution_seconds += time.perf_counter() - started
+        signal: LossSignal = attribution["signal"]
+        event = self.preserver.attribute(signal, step_count, stale, synchronous)
+        if event is not None:
+            self._apply(event, standing=attribution["standing"], record=True)
+        else:
+            self.step.switch_plan(self.preserver.options, "Preserver: the loss rise was not staleness's, back to the plan")
         return event
 
     def _during_probe(self, value: float, step_count: int) -> PreserverEvent | None:
@@ -256,13 +331,15 @@ class PreserverMonitor:
         self._recent_losses = []
         return event
 
-    def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
-        """Switch to the event's plan. A ladder level whose plan is the same as the current one is skipped
-        (``step_down``); a pinning that leaves the plan as it is changes nothing."""
-        current = _schedule(self.step.plan)
+    def _apply(self, event: PreserverEvent, step_down: bool = True, standing: list[dict] | None = None,
+               record: bool = False) -> None:
+        """Switch to the event's plan. A ladder level whose plan is the same as the one stepped down from
+        (``standing``, else the plan in force) is skipped (``step_down``); a pinning that leaves the plan as it
+        is changes nothing, unless ``record`` (the decision then still goes to ``plan_history``)."""
+        current = standing if standing is not None else _schedule(self.step.plan)
         while step_down and _schedule(self.step.solve(self.preserver.options)) == current and not self.preserver.exhausted:
             self.preserver._step_down(event.step, "the plan did not change at that level", event.metrics)
-        if _schedule(self.step.solve(self.preserver.options)) != current:
+        if record or _schedule(self.step.solve(self.preserver.options)) != _schedule(self.step.plan):
             self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)
 
 

@@ -6,7 +6,9 @@ prediction by more than ``tolerance`` (allocator effects, a busy machine,
 overlap the model does not capture), the plan may be wrong. The loop:
 
 1. ``observe``: after ``warmup_steps`` (new graphs compile), time
-   ``measure_steps`` steps of the current plan. Each rank takes the median of
+   ``measure_steps`` steps of the current plan. A step that ran a graph cold
+   (Inductor compiling it, or the graph's first run before that) counts in the
+   window but not in the plan's time; neither do the Preserver's measurements. Each rank takes the median of
    its step times; ranks agree on the maximum (an all-reduce MAX), so every rank
    takes the same decision at the same step.
 2. ``trial``: run each candidate plan the same way: always the synchronous one
@@ -155,13 +157,21 @@ def measure_window(plan, measure_steps: int) -> int:
     return cycles * period
 
 
-def plan_step_ms(times_ms: list[float], period: int) -> float:
+def plan_step_ms(times_ms: list[float], period: int, cold: list[bool] | None = None) -> float:
     """A plan's step time from consecutive step times: the median step, or with update periods the median over
-    whole ``period``-step cycles of the cycle's mean (every K-th step communicates; the median step would not)."""
+    whole ``period``-step cycles of the cycle's mean (every K-th step communicates; the median step would not).
+
+    ``cold`` marks steps that ran a graph cold (an Inductor compile, or a graph's first run before it): they
+    and their cycles are left out, unless nothing would be left. Every step still counts towards the window,
+    so all ranks end a window at the same step."""
+    cold = cold or [False] * len(times_ms)
     if period <= 1:
-        return statistics.median(times_ms)
-    cycles = [times_ms[i:i + period] for i in range(0, len(times_ms) - period + 1, period)]
-    return statistics.median(sum(cycle) / period for cycle in cycles)
+        warm = [ms for ms, c in zip(times_ms, cold) if not c]
+        return statistics.median(warm or times_ms)
+    starts = range(0, len(times_ms) - period + 1, period)
+    cycles = [times_ms[i:i + period] for i in starts]
+    warm = [cycle for i, cycle in zip(starts, cycles) if not any(cold[i:i + period])]
+    return statistics.median(sum(cycle) / period for cycle in (warm or cycles))
 
 
 def _is_synchronous(plan) -> bool:
@@ -178,6 +188,7 @@ class Duel:
     block: int = 0
     steps: int = 0  # steps run in the current block, the unmeasured first one included
     times: list[float] = field(default_factory=list)  # measured step times of the current block
+    cold: list[bool] = field(default_factory=list)  # per measured step: it ran a graph cold (left out)
     medians: list[float] = field(default_factory=list)  # agreed block medians, in block order
 
     @classmethod
@@ -216,6 +227,7 @@ class ClosedLoop:
         self._expect: str | None = None
         self._since_change = 0
         self._times: list[float] = []
+        self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
         self._refined = False
         self.gap = 0.0
 
@@ -226,13 +238,15 @@ class ClosedLoop:
             return {**options, "max_staleness": 0, "allow_period": False}
         return options
 
-    def after_step(self, step, seconds: float) -> None:
+    def after_step(self, step, seconds: float, measurable: bool = True) -> None:
+        """One step of ``step.plan`` took ``seconds``; ``measurable=False`` if it ran a graph cold (its time is
+        the compiler's, not the plan's: counted in the window, left out of the plan's time)."""
         if step.plan is None or step.process_group is None:
             return
         if self._expect is None:
             self._expect = step.plan.hash()
         if step.plan.hash() != self._expect:  # someone else (the Preserver) switched
-            self._expect, self._since_change, self._times = step.plan.hash(), 0, []
+            self._expect, self._since_change, self._times, self._cold = step.plan.hash(), 0, [], []
             if self.state in ("settled", "duel"):
                 self.duel = None
                 self.state = "settled"
@@ -240,7 +254,7 @@ class ClosedLoop:
             return
         extra = self.inject(step.plan) if self.inject is not None else 0.0
         if self.state == "duel":
-            self._duel_step(step, seconds * 1e3 + extra)
+            self._duel_step(step, seconds * 1e3 + extra, not measurable)
             return
         if self.state == "settled":
             return
@@ -248,9 +262,10 @@ class ClosedLoop:
         if self._since_change <= self.config.warmup_steps:
             return
         self._times.append(seconds * 1e3 + extra)
+        self._cold.append(not measurable)
         if len(self._times) < measure_window(step.plan, self.config.measure_steps):
             return
-        measured = self._agree(step, plan_step_ms(self._times, max_period(step.plan)))
+        measured = self._agree(step, plan_step_ms(self._times, max_period(step.plan), self._cold))
         self.measured[step.plan.hash()] = (step.plan, measured)
         if self.state == "observe":
             self._after_observe(step, measured)
@@ -395,17 +410,18 @@ class ClosedLoop:
         if self.duel.current.hash() != step.plan.hash():
             self._switch(step, self.duel.current, "closed loop duel", record=False)
 
-    def _duel_step(self, step, ms: float) -> None:
+    def _duel_step(self, step, ms: float, cold: bool = False) -> None:
         duel = self.duel
         duel.steps += 1
         if duel.steps == 1:  # the step after a switch: a new graph, delayed items without pending gradients
             return
         duel.times.append(ms)
+        duel.cold.append(cold)
         period = max_period(step.plan)
         if len(duel.times) < period * math.ceil(self.config.duel_steps / period):
             return
-        duel.medians.append(self._agree(step, plan_step_ms(duel.times, period)))
-        duel.block, duel.steps, duel.times = duel.block + 1, 0, []
+        duel.medians.append(self._agree(step, plan_step_ms(duel.times, period, duel.cold)))
+        duel.block, duel.steps, duel.times, duel.cold = duel.block + 1, 0, [], []
         if duel.block < len(duel.order):
             if duel.current.hash() != step.plan.hash():
                 self._switch(step, duel.current, "closed loop duel", record=False)
@@ -425,7 +441,7 @@ class ClosedLoop:
 
     def _switch(self, step, plan, reason: str, record: bool = True, **extra: Any) -> None:
         step.switch_plan(plan.options, reason, plan=plan, record=record)
-        self._expect, self._since_change, self._times = step.plan.hash(), 0, []
+        self._expect, self._since_change, self._times, self._cold = step.plan.hash(), 0, [], []
         if record:
             step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales), **extra}
             log.info("%s; measured so far: %s", reason, {h[:12]: round(ms, 3) for h, (_p, ms) in self.measured.items()})

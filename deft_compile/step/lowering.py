@@ -433,6 +433,9 @@ class StepLowering:
         self._seen: "weakref.WeakKeyDictionary[fx.GraphModule, int]" = weakref.WeakKeyDictionary()
         self.last: LoweredGraph | None = None  # what ran in the most recent call
         self.history: list[dict[str, Any]] = []  # one entry per Inductor compile (seconds, cache hit, fallback)
+        # runs that were not a graph's steady state: the first (aten) run of a graph Inductor will compile, and
+        # the run that compiles it. Timings of steps with one are not the plan's (the closed loop leaves them out)
+        self.cold_runs = 0
 
     def run(self, gm: fx.GraphModule, inputs: Sequence[Any], *, flush: bool = False, label: str = "step") -> Sequence[Any]:
         lowered = self._lowered.get(gm)
@@ -440,8 +443,10 @@ class StepLowering:
             calls = self._seen.get(gm, 0)
             self._seen[gm] = calls + 1
             if self.compiler == "aten" or flush or calls == 0:
+                self.cold_runs += self.compiler != "aten" and not flush
                 self.last = LoweredGraph(run=gm, compiler="aten")
                 return gm(*inputs)
+            self.cold_runs += 1
             lowered = lower(gm, inputs, self.compiler)
             self._lowered[gm] = lowered
             self.history.append(

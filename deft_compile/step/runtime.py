@@ -198,6 +198,7 @@ class CompiledStep:
             self._graphs.move_to_end(key)
         if self._monitor is not None:
             self._monitor.before_step()
+        cold_runs = self.lowering.cold_runs
         started = time.perf_counter()
         outputs = self._timed_run(compiled, user_tensors)
         self.policy_runtime.after_step(self)
@@ -207,10 +208,13 @@ class CompiledStep:
         self._last_call = (args, kwargs)
         self.last_call_updated = self.updates_at(self.step_count)
         self.step_count += 1
+        # the plan's own time: without the Preserver's measurements (they cost the same whichever plan runs and
+        # are priced by the Preserver itself), and not a step that ran a graph cold (compiling, or its first run)
+        seconds = time.perf_counter() - started
         if self._monitor is not None:
             self._monitor.after_step(outputs, args, kwargs)
         if self.closed_loop is not None:  # measured plans, refined profile (deft_compile.step.closed_loop)
-            self.closed_loop.after_step(self, time.perf_counter() - started)
+            self.closed_loop.after_step(self, seconds, measurable=self.lowering.cold_runs == cold_runs)
         return outputs
 
     def _use_step_group(self, group: CommGroup | None) -> None:
@@ -234,12 +238,13 @@ class CompiledStep:
     def overheads(self) -> dict[str, float | int]:
         """Wall-clock seconds this step spent outside training steps proper: profiling and solving the first
         plan (``planning_seconds``), building step graphs (``graph_seconds``: tracing and passes, not the
-        Inductor compile, which ``lowering.history`` reports), and the Preserver's staleness measurements
-        (``probe_seconds``); with the counts of graphs built and of step traces."""
+        Inductor compile, which ``lowering.history`` reports), the Preserver's staleness measurements
+        (``probe_seconds``) and its paired replays of loss signals (``attribution_seconds``); with the counts of graphs built and of step traces."""
         return {
             "planning_seconds": self._seconds["planning"],
             "graph_seconds": self._seconds["graphs"],
             "probe_seconds": self._monitor.probe_seconds if self._monitor is not None else 0.0,
+            "attribution_seconds": self._monitor.attribution_seconds if self._monitor is not None else 0.0,
             "compile_seconds": sum(entry.get("seconds", 0.0) for entry in self.lowering.history),
             "graphs": self.trace_count,
             "captures": self.capture_count,

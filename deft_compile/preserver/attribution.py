@@ -1,0 +1,169 @@
+"""Is a loss rise staleness's doing? A paired replay: the plan's staleness against synchronous updates.
+
+The Preserver's loss rules see a window mean rise above the best window. That is
+harm only if staleness caused it: a learning-rate schedule, a hard stretch of
+data or a memorizing model raises the loss of synchronous training just as much
+(session 6 measured such a spike, synchronous, on the benchmark's own workload).
+Comparing with a *later* synchronous window cannot tell the two apart, because
+the loss moves between windows by itself.
+
+So the same experiment is run twice from one state: the weights, buffers and
+optimizer state at the signal are copied, the next few minibatches are kept,
+and each rank replays them locally (no communication) twice, once applying
+every gradient at once (synchronous) and once with the plan's delays and update
+periods (DESIGN.md §4, with local gradients in place of averaged ones). Both
+arms draw the same dropout masks per step and end with a flush, so both applied
+every gradient. The loss of each arm's weights over the kept minibatches is
+what is compared (all-rank means, by the caller): same start, same data, same
+optimizer; the only difference is the staleness under suspicion. A stale plan
+trails synchronous training by its staleness even when it does no harm (a
+delayed bucket applies each gradient one step late), so the stale arm's final
+loss is held against the synchronous arm's loss ``lag_steps`` steps before the
+end: harm is being worse than that.
+
+Costs: one copy of the weights and optimizer state while the minibatches are
+collected, and per arm one more copy plus ``steps`` eager forward/backward
+passes and ``steps`` forwards to evaluate. It runs only after a loss signal.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.func import functional_call
+from torch.utils._pytree import tree_map
+
+from deft_compile.outputs import loss_of
+
+#: (delay d, period K) of a parameter under the plan being judged; missing names are synchronous (0, 1)
+Schedule = dict[str, tuple[int, int]]
+
+_REPLAY_SEED = 0x5EED_2
+
+
+class Snapshot:
+    """Copies of a model's trained parameters, buffers and its optimizer's hyperparameters and state."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.params = [p.detach().clone() for name, p in model.named_parameters() if p.requires_grad]
+        self.frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        index = {id(p): i for i, (name, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad)}
+        self.optimizer_type = type(optimizer)
+        self.groups = [({k: v for k, v in group.items() if k != "params"}, [index[id(p)] for p in group["params"]
+                                                                              if id(p) in index])
+                       for group in optimizer.param_groups]
+        self.state = {index[id(p)]: tree_map(_clone, dict(optimizer.state[p]))
+                      for group in optimizer.param_groups for p in group["params"]
+                      if id(p) in index and p in optimizer.state}
+
+    def shadow(self) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+        """Fresh leaf copies of the parameters with an optimizer of the same type, groups and state."""
+        params = [p.clone().requires_grad_(True) for p in self.params]
+        optimizer = self.optimizer_type([{**hyper, "params": [params[i] for i in members]}
+                                         for hyper, members in self.groups if members])
+        for i, state in self.state.items():
+            optimizer.state[params[i]] = tree_map(_clone, state)
+        return params, optimizer
+
+
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def kept_batch(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A step's inputs, copied: a loader may refill the same tensors in place."""
+    return tree_map(_clone, (tuple(args), dict(kwargs)))
+
+
+def _loss(model: torch.nn.Module, tensors: dict[str, torch.Tensor], loss_fn: Callable[..., Any] | None,
+          args: tuple, kwargs: dict[str, Any], seed: int) -> torch.Tensor:
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)  # both arms draw the same dropout masks at the same step
+        if loss_fn is None:
+            return loss_of(functional_call(model, tensors, args, kwargs))
+        return loss_of(loss_fn(functional_call(model, tensors, (args[0],), kwargs), args[1]))
+
+
+def _tensors(snapshot: Snapshot, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters by name, with fresh buffer copies (BatchNorm's running statistics never leak between arms)."""
+    tensors = dict(zip(snapshot.names, params))
+    tensors.update(snapshot.frozen)
+    tensors.update({name: b.clone() for name, b in snapshot.buffers.items()})
+    return tensors
+
+
+def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., Any] | None,
+           batches: Sequence[tuple[tuple, dict[str, Any]]], schedule: Schedule,
+           max_grad_norm: float | None = None, evaluate_after: Sequence[int] = ()) -> dict[int, float]:
+    """Train copies of the snapshot on ``batches`` with ``schedule``'s delays and periods, flush, and return
+    the mean loss over the same batches of the final weights (key ``len(batches)``) and of the weights after
+    each step count in ``evaluate_after``. An empty schedule is synchronous training.
+
+    A parameter with delay 1 applies the previous step's gradient (nothing in the first step); with
+    period K it accumulates K gradients and applies their mean; parameters with nothing to apply have no
+    gradient, so the optimizer leaves them and their state alone (as in the compiled step). ``max_grad_norm``
+    clips what each update applies, as ``DeftConfig.max_grad_norm`` does. A loss that is not finite is inf.
+    """
+    params, optimizer = snapshot.shadow()
+    pending: dict[int, torch.Tensor] = {}
+    accumulated: dict[int, tuple[torch.Tensor, int]] = {}
+    losses: dict[int, float] = {}
+    for t, (args, kwargs) in enumerate(batches):
+        with torch.enable_grad():
+            loss = _loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        for i, (name, p, g) in enumerate(zip(snapshot.names, params, grads)):
+            delay, period = schedule.get(name, (0, 1))
+            apply = pending.pop(i, None)
+            if g is not None:
+                total, count = accumulated.pop(i, (torch.zeros_like(g), 0))
+                total, count = total + g, count + 1
+                if count == period:
+                    if delay:
+                        pending[i] = total / count
+                    else:
+                        apply = total / count
+                else:
+                    accumulated[i] = (total, count)
+            p.grad = apply
+        _update(optimizer, params, max_grad_norm)
+        if t + 1 in evaluate_after and t + 1 < len(batches):
+            losses[t + 1] = mean_loss(model, snapshot, params, loss_fn, batches)
+    for i, (total, count) in accumulated.items():  # flush: whatever is pending or partly accumulated
+        pending.setdefault(i, total / count)
+    for i, p in enumerate(params):
+        p.grad = pending.get(i)
+    if pending:
+        _update(optimizer, params, max_grad_norm)
+    losses[len(batches)] = mean_loss(model, snapshot, params, loss_fn, batches)
+    return losses
+
+
+def mean_loss(model: torch.nn.Module, snapshot: Snapshot, params: Sequence[torch.Tensor],
+               loss_fn: Callable[..., Any] | None, batches: Sequence[tuple[tuple, dict[str, Any]]]) -> float:
+    with torch.no_grad():
+        losses = [float(_loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t))
+                  for t, (args, kwargs) in enumerate(batches)]
+    return sum(losses) / len(losses) if all(math.isfinite(v) for v in losses) else math.inf
+
+
+def lag_steps(schedule: Schedule) -> int:
+    """Steps by which training with ``schedule`` trails synchronous training when staleness does no harm: the
+    largest mean staleness d + (K − 1)/2 of its parameters, rounded up. The paired replay compares the stale
+    arm with the synchronous one that many steps earlier: the lag is the price the trade already charges,
+    not harm."""
+    return math.ceil(max((delay + (period - 1) / 2 for delay, period in schedule.values()), default=0.0))
+
+
+def _update(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_grad_norm: float | None) -> None:
+    applied = [p for p in params if p.grad is not None]
+    if max_grad_norm is not None and applied:
+        torch.nn.utils.clip_grad_norm_(applied, max_grad_norm)
+    optimizer.step()
+    for p in params:
+        p.grad = None
