@@ -56,6 +56,7 @@ def test_bench_json_has_ddp_and_floor_rows(bench_run):
     assert list(run["rows"]) == ["floor", "ddp", "wfbp", "deft", "deft-no-preserver"]
     # the variant is the deft policy with the Preserver off; deft keeps its default Preserver
     assert run["preserver"] == {"wfbp": False, "deft": True, "deft-no-preserver": False}
+    assert set(run["preserver_dismissed"]) == {"deft"} and isinstance(run["preserver_dismissed"]["deft"], list)
     for name, row in run["rows"].items():
         assert row["step_ms"] > 0 and row["median_ms"] > 0 and row["timed_steps"] == 2
         assert row["final_loss"] is not None

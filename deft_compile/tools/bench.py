@@ -295,6 +295,8 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
                               for h in s.plan_history] for n, s in compiled.items()},
             trace_counts={n: s.trace_count for n, s in compiled.items()},
             preserver={n: s.preserver is not None for n, s in compiled.items()},
+            preserver_dismissed={n: [e.reason for e in s.preserver.dismissed] for n, s in compiled.items()
+                                 if s.preserver is not None},
             measured_timeline=measured,
         )
     return result
@@ -538,6 +540,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         "rows": rows, "samples_ms": value["samples_ms"],
         "losses": value["losses"], "plans": value["plans"], "profiles": value["profiles"],
         "plan_history": value["plan_history"], "preserver": value["preserver"],
+        "preserver_dismissed": value["preserver_dismissed"],
         "measured_timeline": value.get("measured_timeline"), "wall_s": elapsed,
     }
 
