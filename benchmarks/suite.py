@@ -223,7 +223,9 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
             coverage = statistics.median([r["coverage_rate"] for r in runs if r.get("coverage_rate")] or [0.0])
             results.append({"model": model, "rate": rate, "coverage_target": target, "coverage_measured": coverage,
                             "aggregate": aggregate(runs),
-                            "runs": [{k: r[k] for k in ("rows", "plan_history", "wall_s", "coverage_rate")} for r in runs]})
+                            # plans and profiles too, so a simulator change can be re-checked on measured rows
+                            "runs": [{k: r[k] for k in ("rows", "plan_history", "wall_s", "coverage_rate", "plans",
+                                                        "profiles") if k in r} for r in runs]})
             print(table(results[-1:]), flush=True)
             partial = Path(args.out)  # every finished row is kept, so an interrupted suite loses nothing measured
             partial.parent.mkdir(parents=True, exist_ok=True)

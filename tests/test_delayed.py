@@ -105,6 +105,7 @@ def test_measured_profile_is_agreed_and_followed():
     profile = Profile.from_json(first["profile"])
     assert all(p.forward_ms > 0 and p.backward_ms >= 0 and p.update_ms > 0 for p in profile.params)
     assert profile.links[0].alpha_ms + profile.links[0].beta_ms_per_byte > 0
+    assert 0 < profile.message_cpu_ms < 50, "the compute thread's time per message is measured"
     assert first["worst_abs"] == 0.0 and second["worst_abs"] == 0.0
 
 

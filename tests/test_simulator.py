@@ -284,3 +284,41 @@ def test_update_waiting_for_every_gradient_is_simulated() -> None:
     solved = solve(slow, "deft", update_waits_for_all=True)
     assert solved.options["update_waits_for_all"] is True
     assert solved.predicted_iteration_ms >= solve(slow, "deft").predicted_iteration_ms - 1e-9
+
+
+def test_message_cpu_cost_by_hand() -> None:
+    """``message_cpu_ms`` is the compute thread's time per collective: 0.5 ms per launch in the backward
+    delays the gradients after it and each later launch. wfbp's timeline by hand with it:
+    backward 3-7.5: p0 ready 4, launched 4-4.5 -> link [4.5, 9]; p1 ready 5.5 (1 ms of backward after the
+    launch), launched -> 6 -> link [9, 10.5]; p2 ready 7 + 0.5 -> link [10.5, 12]; next forward at 12."""
+    profile = dataclasses.replace(three_param_profile(), message_cpu_ms=0.5)
+    plan = solve(profile, "wfbp", first_bucket_bytes=1000, bucket_cap_bytes=1000)
+    timeline = simulate(profile, plan)
+    assert events_of(timeline, 0) == {0: (4.5, 9.0), 1: (9.0, 10.5), 2: (10.5, 12.0)}
+    assert timeline.iteration_ms == pytest.approx(12.0)
+    assert timeline.compute_ms == pytest.approx(7.5)
+    # many small messages cost the compute thread; the same bytes in one message do not
+    free = dataclasses.replace(profile, links=[LinkCost("free", 0.0, 0.0)])
+    split = solve(free, "bytescheduler", partition_bytes=100, credit=1)
+    assert len(split.items) > 10
+    assert simulate(free, split).iteration_ms == pytest.approx(6.0 + 0.5 * len(split.items))
+    assert Profile.from_json(profile.to_json()).message_cpu_ms == 0.5
+    with pytest.raises(ValueError):
+        dataclasses.replace(profile, message_cpu_ms=-1.0)
+
+
+def test_evaluator_matches_simulate_with_message_cpu_cost() -> None:
+    import numpy as np
+
+    rng = random.Random(6)
+    profile = dataclasses.replace(random_profile(rng), message_cpu_ms=0.2)
+    plan = solve_small(profile, "deft")
+    evaluator = BucketScheduleEvaluator(profile, plan, list(range(len(plan.items))))
+    window = np.array([{"forward-next": 0, "backward-next": 1, "backward": 2}[i.window] for i in plan.items])
+    value = evaluator.iteration_ms(window, np.array([i.delay for i in plan.items]),
+                                   np.array([i.period for i in plan.items]),
+                                   np.array([i.period_offset for i in plan.items]),
+                                   np.array([i.order for i in plan.items]), iterations=6)
+    assert value == pytest.approx(simulate(profile, plan, iterations=6, warmup=None).iteration_ms, rel=1e-6)
+    free = dataclasses.replace(profile, message_cpu_ms=0.0)
+    assert value > simulate(free, plan, iterations=6, warmup=None).iteration_ms

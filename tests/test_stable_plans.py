@@ -21,6 +21,7 @@ def _noisy(profile: Profile, rng: random.Random, eps: float = 0.1) -> Profile:
     for link in data["links"]:
         for key in ("alpha_ms", "beta_ms_per_byte"):
             link[key] *= 1 + rng.uniform(-eps, eps)
+    data["message_cpu_ms"] = 0.03 * (1 + rng.uniform(-eps, eps))
     return Profile.from_dict(data)
 
 

@@ -196,6 +196,9 @@ class Profile:
     ``extra_forward_ms`` runs at the end of the forward (loss, a tied LM head);
     ``extra_backward_ms`` at the start of the backward, before any gradient is
     ready (the loss and head backward). Link 0 is the default process group.
+    ``message_cpu_ms`` is the compute thread's own time per collective (launching
+    it, waiting for it, the bucket's flatten and split ops; not the bytes, not the
+    link): plans that send many small messages pay it on the critical path.
     """
 
     params: list[ParamProfile]
@@ -204,6 +207,7 @@ class Profile:
     extra_forward_ms: float = 0.0
     extra_backward_ms: float = 0.0
     name: str = ""
+    message_cpu_ms: float = 0.0
 
     def __post_init__(self) -> None:
         self.params = list(self.params)
@@ -221,6 +225,8 @@ class Profile:
         for link in self.links:
             if link.alpha_ms < 0 or link.beta_ms_per_byte < 0:
                 raise ValueError(f"link {link.name} has a negative cost")
+        if not self.message_cpu_ms >= 0:
+            raise ValueError(f"message_cpu_ms must be >= 0, got {self.message_cpu_ms}")
 
     # -- totals ----------------------------------------------------------------
     @property
@@ -260,6 +266,7 @@ class Profile:
         return {"name": self.name, "world_size": int(self.world_size),
                 "extra_forward_ms": float(self.extra_forward_ms),
                 "extra_backward_ms": float(self.extra_backward_ms),
+                "message_cpu_ms": float(self.message_cpu_ms),
                 "links": [link.to_dict() for link in self.links],
                 "params": [p.to_dict() for p in self.params]}
 
@@ -270,7 +277,8 @@ class Profile:
                    world_size=int(data["world_size"]),
                    extra_forward_ms=float(data["extra_forward_ms"]),
                    extra_backward_ms=float(data["extra_backward_ms"]),
-                   name=str(data.get("name", "")))
+                   name=str(data.get("name", "")),
+                   message_cpu_ms=float(data.get("message_cpu_ms", 0.0)))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

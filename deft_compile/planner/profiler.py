@@ -19,10 +19,13 @@ Link costs come from timed all-reduces of several sizes, fitted to
 then all ranks take the maximum of each number, so every rank solves the same
 plan from the same profile. Per size, the link's time is the mean of the faster
 half of the repeats (``fast_mean``): robust to a busy moment on a shared machine.
+The compute thread's own cost per message (``Profile.message_cpu_ms``: launch,
+wait, flatten and split ops) is timed on tiny messages (``measure_message_cpu``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -165,6 +168,34 @@ def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, 
     return results
 
 
+def measure_message_cpu(group: Any, messages: int = 24, repeats: int = 3) -> float:
+    """The compute thread's own ms per collective, as the scheduled step runs it: ``cat.out`` of two tensors
+    into a bucket, the in-place functional all-reduce that launches it, and later ``wait_tensor`` and
+    ``split_with_sizes``. Messages are launched back to back, then waited for once the link is surely done
+    with them, so the time is the thread's, not the link's (the simulator charges the link with α and β).
+    The fastest of ``repeats`` (noise only adds time), the slowest rank's. Every rank must call it."""
+    import torch.distributed.distributed_c10d as c10d  # noqa: F401  (registers the functional collectives)
+
+    functional = torch.ops._c10d_functional
+    pieces = [torch.ones(1), torch.ones(1)]
+    buckets = [torch.empty(2) for _ in range(messages)]
+    name = group.group_name
+    best = math.inf
+    for _ in range(repeats + 1):  # the first round warms the path up
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        launched = [functional.all_reduce_(torch.cat(pieces, out=bucket), "sum", name) for bucket in buckets]
+        launch_s = time.perf_counter() - started
+        dist.barrier(group=group)  # all messages have finished on every rank by now
+        started = time.perf_counter()
+        for out in launched:
+            torch.split(functional.wait_tensor(out), [1, 1])
+        best = min(best, (launch_s + time.perf_counter() - started) * 1e3 / messages)
+    slowest = torch.tensor([best], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest.item())
+
+
 def fast_mean(samples: Sequence[float]) -> float:
     """Mean of the faster half of ``samples`` (a trimmed statistic).
 
@@ -225,7 +256,7 @@ def agree_across_ranks(profile: Profile, group: dist.ProcessGroup) -> Profile:
         for mine, theirs in zip(merged["links"], other["links"]):
             for key in ("alpha_ms", "beta_ms_per_byte"):
                 mine[key] = max(mine[key], theirs[key])
-        for key in ("extra_forward_ms", "extra_backward_ms"):
+        for key in ("extra_forward_ms", "extra_backward_ms", "message_cpu_ms"):
             merged[key] = max(merged[key], other[key])
     return Profile.from_dict(merged)
 
@@ -258,6 +289,7 @@ def profile_step(
         links = [LinkCost("local", 0.0, 0.0)]
     profile = static_profile(captured, index, links, world_size, timings)
     if groups:
+        profile = dataclasses.replace(profile, message_cpu_ms=measure_message_cpu(groups[0][1]))
         profile = agree_across_ranks(profile, groups[0][1])
     return profile
 

@@ -13,6 +13,10 @@ Model, and why it is enough to rank plans:
   item on its link)``. Issue times: ``forward-next`` at the start of the
   forward, ``backward-next`` at the start of the backward, ``backward`` when
   the last of its gradients is ready, ``exposed`` at the end of the backward.
+* Per message, the compute thread pays ``Profile.message_cpu_ms`` (launch,
+  wait, the bucket's flatten and split ops) where it issues it: forward-next
+  launches lengthen the forward, backward ones the backward (and delay the
+  launches after them), exposed ones the time before the update.
 * Period K: an item communicates for gradient steps j with
   ``j % K == period_offset`` only; its parameters update only then. The
   simulation therefore runs whole multiples of lcm(K) steps.
@@ -78,6 +82,7 @@ class _Model:
     extra_backward: float
     backward_total: float
     cycle: int
+    message_cpu: float = 0.0  # compute-thread ms per collective issued (Profile.message_cpu_ms)
     update_waits_for_all: bool = False  # clipping / loss scaling: no update before every applied gradient arrived
     next_window: np.ndarray = field(init=False)
 
@@ -174,7 +179,7 @@ def _build_model(profile: Profile, plan: Plan) -> _Model:
         param_update=param_update, param_mode=param_mode, param_period=param_period,
         param_offset=param_offset, param_backward=param_backward,
         extra_forward=float(profile.extra_forward_ms), extra_backward=float(profile.extra_backward_ms),
-        backward_total=float(profile.backward_ms), cycle=cycle,
+        backward_total=float(profile.backward_ms), cycle=cycle, message_cpu=float(profile.message_cpu_ms),
         update_waits_for_all=bool(plan.options.get(UPDATE_WAITS_FOR_ALL, False)))
 
 
@@ -395,8 +400,13 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
     link_busy = np.zeros(n_links)
     records: list[_ProgramRecord] = []
     now = 0.0
+    message_cpu = model.message_cpu
     for program in range(total):
         forward_start = now
+        grad_step = np.where(next_window, program - 1, program)
+        active = (grad_step >= 0) & ((grad_step - model.offset) % model.period == 0)
+        # the compute thread's time for the messages this program issues, per window (Profile.message_cpu_ms)
+        launches = message_cpu * np.bincount(model.window[active], minlength=4) if message_cpu else np.zeros(4)
         # -- forward, with per-layer waits for the previous step's items ------
         if program >= 1 and has_layer_waits:
             durations = forward_with_updates
@@ -410,14 +420,18 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
             durations = forward_with_updates if program >= 1 else forward_plain
             before = np.cumsum(durations) - durations if program >= 1 else forward_before_plain
             layer_start = before + forward_start
-        forward_end = float(layer_start[-1] + durations[-1])
+        forward_end = float(layer_start[-1] + durations[-1]) + launches[0]
         backward_start = forward_end + model.extra_forward
-        backward_end = backward_start + model.backward_total
+        backward_end = backward_start + launches[1] + model.backward_total + launches[2]
         # -- collectives issued by this program ---------------------------------
-        grad_step = np.where(next_window, program - 1, program)
-        active = (grad_step >= 0) & ((grad_step - model.offset) % model.period == 0)
-        issue = np.choose(model.window, [forward_start, backward_start,
-                                         backward_start + model.ready_offset, backward_end])
+        ready = backward_start + launches[1] + model.ready_offset
+        if message_cpu:  # each backward launch delays the compute after it, and so the later launches
+            in_backward = active & (model.window == 2)
+            order = np.argsort(np.where(in_backward, model.ready_offset, np.inf), kind="stable")
+            launched = np.empty(len(order))
+            launched[order] = np.arange(1, len(order) + 1)
+            ready = ready + np.where(in_backward, launched * message_cpu, 0.0)
+        issue = np.choose(model.window, [forward_start, backward_start, ready, backward_end])
         starts = np.full(len(model.cost), np.nan)
         ends = np.full(len(model.cost), -np.inf)
         for index, members in enumerate(model.link_items):
@@ -433,7 +447,7 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
             if program >= warmup:
                 link_busy[index] += float(cost.sum())
         # -- update phase ---------------------------------------------------------
-        now = backward_end
+        now = backward_end + launches[3]
         mask = wait_end & active
         if mask.any():
             now = max(now, float(ends[mask].max()))
@@ -458,7 +472,7 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
         delayed_span = (now, now + delayed_ms)
         now += delayed_ms
         busy.append(float(durations.sum()) + model.extra_forward + model.backward_total
-                    + sync_ms + delayed_ms)
+                    + sync_ms + delayed_ms + float(launches.sum()))
         forward_starts.append(now)
         if record:
             records.append(_ProgramRecord(

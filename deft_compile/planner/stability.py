@@ -46,7 +46,7 @@ def quantise_profile(profile: Profile, step: float = DEFAULT_QUANTUM) -> Profile
     for link in data["links"]:
         for key in ("alpha_ms", "beta_ms_per_byte"):
             link[key] = _snap(link[key], ratio)
-    for key in ("extra_forward_ms", "extra_backward_ms"):
+    for key in ("extra_forward_ms", "extra_backward_ms", "message_cpu_ms"):
         data[key] = _snap(data[key], ratio)
     return Profile.from_dict(data)
 

@@ -136,7 +136,7 @@ def scaled_profile(profile, compute: float, link: float):
     for param in data["params"]:
         for key in ("forward_ms", "backward_ms", "update_ms"):
             param[key] *= compute
-    for key in ("extra_forward_ms", "extra_backward_ms"):
+    for key in ("extra_forward_ms", "extra_backward_ms", "message_cpu_ms"):
         data[key] *= compute
     for entry in data["links"]:
         entry["alpha_ms"] *= link
