@@ -133,18 +133,18 @@ def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., An
             p.grad = apply
         _update(optimizer, params, max_grad_norm)
         if t + 1 in evaluate_after and t + 1 < len(batches):
-            losses[t + 1] = mean_loss(model, snapshot, params, loss_fn, batches)
+            losses[t + 1] = loss_over(model, snapshot, params, loss_fn, batches)
     for i, (total, count) in accumulated.items():  # flush: whatever is pending or partly accumulated
         pending.setdefault(i, total / count)
     for i, p in enumerate(params):
         p.grad = pending.get(i)
     if pending:
         _update(optimizer, params, max_grad_norm)
-    losses[len(batches)] = mean_loss(model, snapshot, params, loss_fn, batches)
+    losses[len(batches)] = loss_over(model, snapshot, params, loss_fn, batches)
     return losses
 
 
-def mean_loss(model: torch.nn.Module, snapshot: Snapshot, params: Sequence[torch.Tensor],
+def loss_over(model: torch.nn.Module, snapshot: Snapshot, params: Sequence[torch.Tensor],
                loss_fn: Callable[..., Any] | None, batches: Sequence[tuple[tuple, dict[str, Any]]]) -> float:
     with torch.no_grad():
         losses = [float(_loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t))

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
 from deft_compile.planner.plan import Plan, Profile
-from deft_compile.preserver.attribution import Schedule, Snapshot, mean_loss, kept_batch, lag_steps, replay
+from deft_compile.preserver.attribution import Schedule, Snapshot, kept_batch, lag_steps, loss_over, replay
 from deft_compile.preserver.decisions import LossSignal, Preserver, PreserverEvent
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
@@ -71,7 +71,8 @@ class PreserverMonitor:
         self.attribution_seconds = 0.0  # wall-clock time spent on paired replays (copies and both arms)
 
     def state_dict(self) -> dict:
-        """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one."""
+        """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one (a paired
+        replay under way is dropped: the resumed run continues with the standing plan)."""
         return {**self.preserver.state_dict(), "loss_sum": self._loss_sum, "loss_count": self._loss_count,
                 "recent_losses": list(self._recent_losses)}
 
@@ -105,7 +106,9 @@ class PreserverMonitor:
         self._before = None
         step = self.step.step_count + 1
         if self._probe is None and not self.preserver.exhausted and self.preserver.staleness_due(step):
-            if not self.step.updates_at(self.step.step_count):  # a call that only accumulates changes no weight
+            # a call that only accumulates changes no weight; while a loss rise is attributed, the plan that runs
+            # is a provisional synchronous one, whose measurement would trade on the wrong plan
+            if not self.step.updates_at(self.step.step_count) or self._attribution is not None:
                 self.preserver.probes.postpone(1)
                 return
             if not self._worth_measuring():
@@ -259,16 +262,16 @@ class PreserverMonitor:
         if signal is None:
             return None
         if self.config.attribute_loss and signal.finite:
-            schedule = self._stale_schedule()
+            standing = self.step.solve(self.preserver.options)
+            schedule = self._stale_schedule(standing)
             if not schedule:
                 self.preserver.dismiss(step_count, signal, "the plan in force has no delay and no update period")
                 return None
             # safe first: synchronous while the replay's minibatches arrive, so a real harm grows no further
-            standing = _schedule(self.step.solve(self.preserver.options))
             self.step.switch_plan({**self.preserver.options, "max_staleness": 0, "allow_period": False},
                                   f"Preserver: synchronous while a loss rise is attributed ({signal.reason})")
             started = time.perf_counter()  # after the switch's flush: the snapshot has nothing pending
-            self._attribution = {"signal": signal, "schedule": schedule, "batches": [], "standing": standing,
+            self._attribution = {"signal": signal, "schedule": schedule, "batches": [], "standing": _schedule(standing),
                                  "snapshot": Snapshot(self.step.model, self.step.optimizer)}
             self.attribution_seconds += time.perf_counter() - started
             return None
@@ -277,12 +280,12 @@ class PreserverMonitor:
             self._apply(event)
         return event
 
-    def _stale_schedule(self) -> Schedule:
-        """Parameter name -> (delay, period) of every parameter the Preserver's standing plan makes stale (a
-        parameter split over items takes the most stale of its slices)."""
+    def _stale_schedule(self, plan: Plan) -> Schedule:
+        """Parameter name -> (delay, period) of every parameter ``plan`` (the Preserver's standing plan) makes
+        stale; a parameter split over items takes the most stale of its slices."""
         names = [param.name for param in self.step.profile.params]
         schedule: Schedule = {}
-        for item in self.step.solve(self.preserver.options).items:
+        for item in plan.items:
             if item.delay or item.period > 1:
                 for piece in item.slices:
                     delay, period = schedule.get(names[piece.param], (0, 1))
@@ -304,7 +307,7 @@ class PreserverMonitor:
         clip = self.step.config.max_grad_norm
         stale = replay(self.step.model, snapshot, self.step.loss_fn, batches, schedule, clip)[len(batches)]
         synchronous = replay(self.step.model, snapshot, self.step.loss_fn, batches, {}, clip, (lagged,))[lagged] \
-            if lagged > 0 else mean_loss(self.step.model, snapshot, snapshot.params, self.step.loss_fn, batches)
+            if lagged > 0 else loss_over(self.step.model, snapshot, snapshot.params, self.step.loss_fn, batches)
         stale, synchronous = self._all_rank_mean([min(stale, 1e300), min(synchronous, 1e300)])
         self.attribution_seconds += time.perf_counter() - started
         signal: LossSignal = attribution["signal"]
