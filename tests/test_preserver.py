@@ -327,3 +327,38 @@ def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_sta
     assert any("paired replay" in event for event in unstable["events"]), unstable["events"]
     assert unstable["delayed_now"] == 0 and not unstable["dismissed"]
     assert math.isfinite(unstable["losses"][-1]) and unstable["losses"][-1] < 2.0, unstable["losses"]
+
+
+def test_replay_of_a_model_that_returns_its_loss_with_keyword_inputs():
+    """``transformers``-style: ``model(input_ids=..., labels=...)`` returns an object with ``.loss``; tied and
+    frozen parameters. Both arms train: four steps end below one."""
+    import torch
+
+    from deft_compile.preserver.attribution import Snapshot, kept_batch, replay
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+            self.frozen = torch.nn.Linear(8, 8)
+            self.frozen.requires_grad_(False)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight  # tied
+
+        def forward(self, input_ids, labels):
+            from types import SimpleNamespace
+
+            logits = self.head(torch.tanh(self.frozen(self.embed(input_ids))))
+            return SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 16, (4, 6))
+    batches = [kept_batch((), {"input_ids": ids, "labels": ids}) for _ in range(4)]
+    snapshot = Snapshot(model, optimizer)
+    assert snapshot.names == ["embed.weight"] and "frozen.weight" in snapshot.frozen
+    one_step = replay(model, snapshot, None, batches[:1], {})[1]
+    synchronous = replay(model, snapshot, None, batches, {})[4]
+    stale = replay(model, snapshot, None, batches, {"embed.weight": (1, 1)})[4]
+    assert synchronous < one_step and stale < one_step, (one_step, synchronous, stale)
