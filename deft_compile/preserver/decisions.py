@@ -36,11 +36,12 @@ every rank takes the same decision without extra agreement):
 
 A finite loss signal is only acted on when staleness caused it
 (``attribute_loss``): while the running plan is synchronous it is dismissed at
-once, and otherwise the monitor replays the next ``attribution_steps``
-minibatches from the state at the signal twice on every rank, synchronous and
-with the plan's staleness (:mod:`deft_compile.preserver.attribution`), and
-steps down only if the stale arm ends with a higher loss by ``loss_tolerance``
-and ``loss_floor`` (``attribute``). A rise that synchronous training shares
+once. Otherwise the monitor runs the synchronous plan while it keeps the next
+``attribution_steps`` minibatches, replays them from the state at the signal
+twice on every rank, synchronous and with the plan's staleness
+(:mod:`deft_compile.preserver.attribution`), and steps down only if the stale
+arm ends with a higher loss, by ``loss_tolerance`` and ``loss_floor``, than the
+synchronous arm had its lag (d + (K − 1)/2 steps) earlier (``attribute``). A rise that synchronous training shares
 (a learning-rate schedule, a hard stretch of data) is dismissed: recorded in
 ``dismissed`` and the best window is measured anew. A loss that is not finite
 is acted on at once.
@@ -123,10 +124,12 @@ class PreserverConfig:
             same way, by this share of the compute step time (hysteresis:
             prices are medians of noisy measurements, a switch costs a flush).
         attribute_loss: act on a finite loss signal only if staleness caused it:
-            dismiss it while the plan is synchronous, else replay the next
-            ``attribution_steps`` minibatches from the same state with and
-            without the plan's staleness and step down only if the stale
-            replay ends worse (by ``loss_tolerance`` and ``loss_floor``).
+            dismiss it while the plan is synchronous, else run synchronous
+            while the next ``attribution_steps`` minibatches arrive, replay
+            them from the same state with and without the plan's staleness,
+            and step down only if the stale replay ends worse (by
+            ``loss_tolerance`` and ``loss_floor``) than the synchronous one
+            was its lag earlier; otherwise go back to the plan.
             False: every loss signal steps down at once.
         attribution_steps: minibatches of that paired replay.
         start_synchronous: trade mode: no delays until staleness prices exist
