@@ -526,48 +526,13 @@ def delaying_profile(model, optimizer, loss_fn, batch, world_size: int = 2):
     return dataclasses.replace(profile, params=params, links=[LinkCost("slow", 2.5, 0.0)], world_size=world_size)
 
 
-def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: int, check_every: int = 5,
-                  synchronous: bool = False, trade: bool = True) -> dict:
-    """Regression MLP, SGD with momentum at a learning rate near the edge of stability, DeFT with a plan that
-    delays every bucket: staleness makes it diverge unless the Preserver backs off."""
+def _regression_deft(rank: int, world_size: int, lr: float, steps: int, plan_options: dict, preserver,
+                     noisy_from: int | None = None):
+    """A regression MLP under momentum SGD compiled with deft on ``delaying_profile`` (a plan that delays all but
+    one bucket), and its batches: targets from a fixed linear teacher, with noise of std 3 from step
+    ``noisy_from`` on. Returns (step, batches)."""
     import torch.nn as nn
     import torch.nn.functional as F
-
-    from deft_compile.preserver import PreserverConfig
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    data = torch.Generator().manual_seed(10 + rank)
-    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
-    batches = []
-    for _ in range(steps):
-        x = torch.randn(64, 16, generator=data)
-        batches.append((x, x @ teacher))
-    scratch = copy.deepcopy(model)
-    profile = delaying_profile(scratch, torch.optim.SGD(scratch.parameters(), lr=lr), F.mse_loss, batches[0], world_size)
-    config = DeftConfig(
-        plan_options={"first_bucket_bytes": 1, "bucket_cap_bytes": 1, "allow_period": False,
-                      **({"max_staleness": 0} if synchronous else {})},
-        preserver=PreserverConfig(enabled=enabled, check_every=check_every, staleness_every=check_every, trade=trade),
-    )
-    step = deft_compile(model, optimizer, F.mse_loss, policy="deft", profile=profile, config=config)
-    losses = [float(step(x, y)) for x, y in batches]
-    step.flush()
-    return {"losses": losses, "history": step.plan_history,
-            "events": [str(e) for e in (step.preserver.history if step.preserver else [])],
-            "metrics": [e.metrics for e in (step.preserver.history if step.preserver else [])],
-            "overheads": step.overheads}
-
-
-def attribution_run(rank: int, world_size: int, lr: float, steps: int, shift_at: int | None) -> dict:
-    """``preserver_run``'s regression MLP and delaying plan with the Preserver's loss rules only (no staleness
-    measurements): from ``shift_at`` the targets carry noise, so the loss jumps whatever the schedule (a hard
-    stretch of data: the workload's own rise). Returns the losses, the plan history and the Preserver's decisions and dismissals."""
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    from deft_compile.preserver import PreserverConfig
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
@@ -577,13 +542,41 @@ def attribution_run(rank: int, world_size: int, lr: float, steps: int, shift_at:
     batches = []
     for t in range(steps):
         x = torch.randn(64, 16, generator=data)
-        noise = 3.0 * torch.randn(64, 1, generator=data) if shift_at is not None and t >= shift_at else 0.0
+        noise = 3.0 * torch.randn(64, 1, generator=data) if noisy_from is not None and t >= noisy_from else 0.0
         batches.append((x, x @ teacher + noise))
     scratch = copy.deepcopy(model)
     profile = delaying_profile(scratch, torch.optim.SGD(scratch.parameters(), lr=lr), F.mse_loss, batches[0], world_size)
-    config = DeftConfig(plan_options={"first_bucket_bytes": 1, "bucket_cap_bytes": 1, "allow_period": False},
-                        preserver=PreserverConfig(check_every=5, staleness_every=0, trade=False))
-    step = deft_compile(model, optimizer, F.mse_loss, policy="deft", profile=profile, config=config)
+    config = DeftConfig(plan_options={"first_bucket_bytes": 1, "bucket_cap_bytes": 1, "allow_period": False,
+                                      **plan_options}, preserver=preserver)
+    return deft_compile(model, optimizer, F.mse_loss, policy="deft", profile=profile, config=config), batches
+
+
+def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: int, check_every: int = 5,
+                  synchronous: bool = False, trade: bool = True) -> dict:
+    """Regression MLP, SGD with momentum at a learning rate near the edge of stability, DeFT with a plan that
+    delays every bucket: staleness makes it diverge unless the Preserver backs off."""
+    from deft_compile.preserver import PreserverConfig
+
+    step, batches = _regression_deft(
+        rank, world_size, lr, steps, {"max_staleness": 0} if synchronous else {},
+        PreserverConfig(enabled=enabled, check_every=check_every, staleness_every=check_every, trade=trade))
+    losses = [float(step(x, y)) for x, y in batches]
+    step.flush()
+    return {"losses": losses, "history": step.plan_history,
+            "events": [str(e) for e in (step.preserver.history if step.preserver else [])],
+            "metrics": [e.metrics for e in (step.preserver.history if step.preserver else [])],
+            "overheads": step.overheads}
+
+
+def attribution_run(rank: int, world_size: int, lr: float, steps: int, noisy_from: int | None) -> dict:
+    """``preserver_run``'s model and delaying plan with the Preserver's loss rules only (no staleness
+    measurements): from ``noisy_from`` the targets carry noise, so the loss jumps whatever the schedule (a hard
+    stretch of data: the workload's own rise). Returns the losses, the plan history and the Preserver's
+    decisions and dismissals."""
+    from deft_compile.preserver import PreserverConfig
+
+    step, batches = _regression_deft(rank, world_size, lr, steps, {},
+                                     PreserverConfig(check_every=5, staleness_every=0, trade=False), noisy_from)
     losses = [float(step(x, y)) for x, y in batches]
     step.flush()
     return {"losses": losses, "history": step.plan_history,
