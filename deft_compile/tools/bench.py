@@ -59,7 +59,7 @@ COMPILED_DDP = "ddp-compiled"  # a baseline variant run_config accepts among its
 # `deft-compile simulate` must work without it. tests/test_bench.py checks they match bench_models.
 MODEL_NAMES = ("mlp", "vgg", "resnet", "gpt2", "vgg11", "vgg16", "vgg19", "resnet18", "resnet50", "resnet101",
                "gpt2-tiny", "gpt2-mini", "mlp-teacher", "vgg16-bn", "gpt2-small-hf", "bert-base-hf", "vgg16-bn-tiny",
-               "gpt2-hf-tiny")
+               "gpt2-hf-tiny", "resnet50-teacher", "vgg16-bn-teacher")
 DEFAULT_MODELS = ("vgg19", "resnet101", "gpt2-mini")
 FINAL_LOSS_STEPS = 5
 STAT_NOTE = (

@@ -32,6 +32,8 @@ Optionally the function may set ``function.default_batch = N`` (else 16).
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import importlib
 import importlib.util
@@ -175,6 +177,25 @@ BENCH_MODELS["mlp-teacher"] = Preset(
 
 BENCH_MODELS.update(SUITE_PRESETS)  # benchmarks/suite.py (issue 13)
 BENCH_MODELS.update(QUICK_PRESETS)
+
+
+def _teacher_images(size: int, g: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """32x32 Gaussian images labelled by a fixed random linear teacher on their 4x4 average-pooled pixels: a task
+    a CNN can learn (the same teacher on every rank), where the image presets' random labels can only be
+    memorised."""
+    teacher = torch.randn(3 * 4 * 4, 10, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(size, 3, 32, 32, generator=g)
+    return (x, (F.adaptive_avg_pool2d(x, 4).flatten(1) @ teacher).argmax(dim=1)), {}
+
+
+#: The suite's CNNs on a learnable task (``-teacher``): the same models, optimizers and batch sizes. The bench
+#: reuses a pool of 8 batches; with random labels a CNN memorises them, a regime where gradients change sign from
+#: step to step and the Preserver prices delays high. With teacher labels the gradients agree across batches.
+for _name in ("resnet50", "vgg16-bn"):
+    _base = BENCH_MODELS[_name]
+    BENCH_MODELS[f"{_name}-teacher"] = dataclasses.replace(
+        _base, name=f"{_name}-teacher", description=f"{_base.description}; labels from a fixed linear teacher",
+        batch=_teacher_images)
 
 #: Default bench selection: one member of each paper family.
 DEFAULT_MODELS = ("vgg19", "resnet101", "gpt2-mini")  # mirrored in deft_compile.tools.bench (no torch import there)
