@@ -568,20 +568,22 @@ def preserver_run(rank: int, world_size: int, lr: float, enabled: bool, steps: i
             "overheads": step.overheads}
 
 
-def attribution_run(rank: int, world_size: int, lr: float, steps: int, noisy_from: int | None) -> dict:
+def attribution_run(rank: int, world_size: int, lr: float, steps: int, noisy_from: int | None,
+                    synchronous: bool = False, preserver_options: dict | None = None) -> dict:
     """``preserver_run``'s model and delaying plan with the Preserver's loss rules only (no staleness
     measurements): from ``noisy_from`` the targets carry noise, so the loss jumps whatever the schedule (a hard
     stretch of data: the workload's own rise). Returns the losses, the plan history and the Preserver's
     decisions and dismissals."""
     from deft_compile.preserver import PreserverConfig
 
-    step, batches = _regression_deft(rank, world_size, lr, steps, {},
-                                     PreserverConfig(check_every=5, staleness_every=0, trade=False), noisy_from)
+    step, batches = _regression_deft(rank, world_size, lr, steps, {"max_staleness": 0} if synchronous else {},
+                                     PreserverConfig(check_every=5, staleness_every=0, trade=False,
+                                                     **(preserver_options or {})), noisy_from)
     losses = [float(step(x, y)) for x, y in batches]
     step.flush()
     return {"losses": losses, "history": step.plan_history,
             "events": [str(e) for e in step.preserver.history],
-            "dismissed": [e.reason for e in step.preserver.dismissed],
+            "dismissed": [e.reason for e in step.preserver.dismissed], "level": step.preserver.level,
             "delayed_now": sum(1 for item in step.plan.items if item.delay),
             "overheads": step.overheads}
 

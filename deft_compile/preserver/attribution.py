@@ -1,29 +1,32 @@
-"""Is a loss rise staleness's doing? A paired replay: the plan's staleness against synchronous updates.
+"""Is a loss rise staleness's doing? A paired replay: what ran since the best window, against synchronous.
 
 The Preserver's loss rules see a window mean rise above the best window. That is
 harm only if staleness caused it: a learning-rate schedule, a hard stretch of
 data or a memorizing model raises the loss of synchronous training just as much
 (session 6 measured such a spike, synchronous, on the benchmark's own workload).
 Comparing with a *later* synchronous window cannot tell the two apart, because
-the loss moves between windows by itself.
+the loss moves between windows by itself. Nor can a replay that starts at the
+signal: by then the harm is in the weights, and synchronous steps from there do
+no better for a while (measured: docs/CONVERGENCE.md, the staleness benchmark).
 
-So the same experiment is run twice from one state: the weights, buffers and
-optimizer state at the signal are copied, the next few minibatches are kept,
-and each rank replays them locally (no communication) twice, once applying
-every gradient at once (synchronous) and once with the plan's delays and update
-periods (DESIGN.md §4, with local gradients in place of averaged ones). Both
-arms draw the same dropout masks per step and end with a flush, so both applied
-every gradient. The loss of each arm's weights over the kept minibatches is
-what is compared (all-rank means, by the caller): same start, same data, same
-optimizer; the only difference is the staleness under suspicion. A stale plan
-trails synchronous training by its staleness even when it does no harm (a
+So the monitor copies the weights, buffers and optimizer state whenever a loss
+window sets a new best, and keeps the minibatches from there on with the
+schedule each step ran (the ``Schedule`` of every parameter the plan made stale).
+At a signal each rank replays them locally (no communication) twice from that
+copy: once with the schedules that ran (DESIGN.md §4, local gradients in place of
+averaged ones) and once synchronous. Both arms draw the same dropout masks per
+step and end with a flush, so both applied every gradient; same start, same
+data, same optimizer, and the only difference is the staleness under suspicion.
+A stale plan trails synchronous training by its staleness even when harmless (a
 delayed bucket applies each gradient one step late), so the stale arm's final
 loss is held against the synchronous arm's loss ``lag_steps`` steps before the
-end: harm is being worse than that.
+end: harm is being worse than that. The losses are taken over the last kept
+minibatches (all-rank means, by the caller).
 
-Costs: one copy of the weights and optimizer state while the minibatches are
-collected, and per arm one more copy plus ``steps`` eager forward/backward
-passes and ``steps`` forwards to evaluate. It runs only after a loss signal.
+Costs: one copy of the weights and optimizer state, refreshed at every new best
+window, and the kept minibatches (at most ``PreserverConfig.attribution_max_steps``);
+after a signal, per arm one more copy, one eager forward/backward per kept step
+and forwards to evaluate.
 """
 
 from __future__ import annotations
@@ -98,27 +101,35 @@ def _tensors(snapshot: Snapshot, params: Sequence[torch.Tensor]) -> dict[str, to
 
 
 def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., Any] | None,
-           batches: Sequence[tuple[tuple, dict[str, Any]]], schedule: Schedule,
-           max_grad_norm: float | None = None, evaluate_after: Sequence[int] = ()) -> dict[int, float]:
-    """Train copies of the snapshot on ``batches`` with ``schedule``'s delays and periods, flush, and return
-    the mean loss over the same batches of the final weights (key ``len(batches)``) and of the weights after
-    each step count in ``evaluate_after``. An empty schedule is synchronous training.
+           batches: Sequence[tuple[tuple, dict[str, Any]]], schedules: Sequence[Schedule] | Schedule,
+           max_grad_norm: float | None = None, evaluate_after: Sequence[int] = (),
+           evaluate_on: int | None = None) -> dict[int, float]:
+    """Train copies of the snapshot on ``batches``, step t with ``schedules[t]``'s delays and periods (one
+    ``Schedule`` for every step, or a list), flush, and return the mean loss of the final weights (key
+    ``len(batches)``) and of the weights after each step count in ``evaluate_after``, over the last
+    ``evaluate_on`` batches (all by default). An empty schedule is synchronous training.
 
     A parameter with delay 1 applies the previous step's gradient (nothing in the first step); with
     period K it accumulates K gradients and applies their mean; parameters with nothing to apply have no
-    gradient, so the optimizer leaves them and their state alone (as in the compiled step). ``max_grad_norm``
-    clips what each update applies, as ``DeftConfig.max_grad_norm`` does. A loss that is not finite is inf.
+    gradient, so the optimizer leaves them and their state alone (as in the compiled step). Where the
+    schedule changes, what is pending is applied first, as ``CompiledStep.switch_plan`` flushes.
+    ``max_grad_norm`` clips what each update applies, as ``DeftConfig.max_grad_norm`` does. A loss that is
+    not finite is inf.
     """
+    schedules = [schedules] * len(batches) if isinstance(schedules, dict) else list(schedules)
+    evaluated = batches[-evaluate_on:] if evaluate_on else batches
     params, optimizer = snapshot.shadow()
     pending: dict[int, torch.Tensor] = {}
     accumulated: dict[int, tuple[torch.Tensor, int]] = {}
     losses: dict[int, float] = {}
     for t, (args, kwargs) in enumerate(batches):
+        if t > 0 and schedules[t] != schedules[t - 1]:
+            _flush(optimizer, params, pending, accumulated, max_grad_norm)
         with torch.enable_grad():
             loss = _loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         for i, (name, p, g) in enumerate(zip(snapshot.names, params, grads)):
-            delay, period = schedule.get(name, (0, 1))
+            delay, period = schedules[t].get(name, (0, 1))
             apply = pending.pop(i, None)
             if g is not None:
                 total, count = accumulated.pop(i, (torch.zeros_like(g), 0))
@@ -133,15 +144,24 @@ def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., An
             p.grad = apply
         _update(optimizer, params, max_grad_norm)
         if t + 1 in evaluate_after and t + 1 < len(batches):
-            losses[t + 1] = loss_over(model, snapshot, params, loss_fn, batches)
-    for i, (total, count) in accumulated.items():  # flush: whatever is pending or partly accumulated
+            losses[t + 1] = loss_over(model, snapshot, params, loss_fn, evaluated)
+    _flush(optimizer, params, pending, accumulated, max_grad_norm)
+    losses[len(batches)] = loss_over(model, snapshot, params, loss_fn, evaluated)
+    return losses
+
+
+def _flush(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], pending: dict[int, torch.Tensor],
+           accumulated: dict[int, tuple[torch.Tensor, int]], max_grad_norm: float | None) -> None:
+    """Apply whatever is pending or partly accumulated as one update, and forget it."""
+    for i, (total, count) in accumulated.items():
         pending.setdefault(i, total / count)
+    accumulated.clear()
+    if not pending:
+        return
     for i, p in enumerate(params):
         p.grad = pending.get(i)
-    if pending:
-        _update(optimizer, params, max_grad_norm)
-    losses[len(batches)] = loss_over(model, snapshot, params, loss_fn, batches)
-    return losses
+    pending.clear()
+    _update(optimizer, params, max_grad_norm)
 
 
 def loss_over(model: torch.nn.Module, snapshot: Snapshot, params: Sequence[torch.Tensor],
@@ -152,12 +172,13 @@ def loss_over(model: torch.nn.Module, snapshot: Snapshot, params: Sequence[torch
     return sum(losses) / len(losses) if all(math.isfinite(v) for v in losses) else math.inf
 
 
-def lag_steps(schedule: Schedule) -> int:
-    """Steps by which training with ``schedule`` trails synchronous training when staleness does no harm: the
-    largest mean staleness d + (K − 1)/2 of its parameters, rounded up. The paired replay compares the stale
-    arm with the synchronous one that many steps earlier: the lag is the price the trade already charges,
-    not harm."""
-    return math.ceil(max((delay + (period - 1) / 2 for delay, period in schedule.values()), default=0.0))
+def lag_steps(schedules: Sequence[Schedule]) -> int:
+    """Steps by which training with ``schedules`` trails synchronous training when staleness does no harm: the
+    largest mean staleness d + (K − 1)/2 of any parameter in any of them, rounded up. The paired replay
+    compares the stale arm with the synchronous one that many steps earlier: the lag is the price the trade
+    already charges, not harm."""
+    return math.ceil(max((delay + (period - 1) / 2 for schedule in schedules for delay, period in schedule.values()),
+                         default=0.0))
 
 
 def _update(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_grad_norm: float | None) -> None:

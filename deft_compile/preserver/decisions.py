@@ -34,17 +34,17 @@ every rank takes the same decision without extra agreement):
   (``probe_every``), a short synchronous reference window is run and its mean
   loss compared with the delayed window just before it.
 
-A finite loss signal is only acted on when staleness caused it
-(``attribute_loss``): while the running plan is synchronous it is dismissed at
-once. Otherwise the monitor runs the synchronous plan while it keeps the next
-``attribution_steps`` minibatches, replays them from the state at the signal
-twice on every rank, synchronous and with the plan's staleness
-(:mod:`deft_compile.preserver.attribution`), and steps down only if the stale
-arm ends with a higher loss, by ``loss_tolerance`` and ``loss_floor``, than the
-synchronous arm had its lag (d + (K − 1)/2 steps) earlier (``attribute``). A rise that synchronous training shares
-(a learning-rate schedule, a hard stretch of data) is dismissed: recorded in
-``dismissed`` and the best window is measured anew. A loss that is not finite
-is acted on at once.
+A finite loss signal is only acted on when staleness may have caused it: if no
+step since the best window ran a delay or an update period, it is dismissed at
+once. With ``attribute_loss`` the monitor also replays the steps since the best
+window from a copy taken there, twice on every rank, with the schedules that ran
+and synchronous (:mod:`deft_compile.preserver.attribution`), and steps down only
+if the stale arm ends with a higher loss, by ``loss_tolerance`` and
+``loss_floor``, than the synchronous arm had its lag (d + (K − 1)/2 steps)
+earlier (``attribute``). A rise that synchronous training shares (a
+learning-rate schedule, a hard stretch of data, a memorising model) is
+dismissed: recorded in ``dismissed``, and the best window is measured anew. A
+loss that is not finite is acted on at once.
 
 A loss signal steps down a ladder of global options and re-solves: halve the
 largest update period (down to no period), then price staleness so only
@@ -123,15 +123,20 @@ class PreserverConfig:
             predicted time plus price beats the running plan's, priced the
             same way, by this share of the compute step time (hysteresis:
             prices are medians of noisy measurements, a switch costs a flush).
-        attribute_loss: act on a finite loss signal only if staleness caused it:
-            dismiss it while the plan is synchronous, else run synchronous
-            while the next ``attribution_steps`` minibatches arrive, replay
-            them from the same state with and without the plan's staleness,
-            and step down only if the stale replay ends worse (by
-            ``loss_tolerance`` and ``loss_floor``) than the synchronous one
-            was its lag earlier; otherwise go back to the plan.
-            False: every loss signal steps down at once.
-        attribution_steps: minibatches of that paired replay.
+        attribute_loss: before stepping down on a finite loss signal, replay
+            the steps since the best window from a copy of the state taken
+            there, with the schedules that ran and synchronous, and step down
+            only if the stale replay ends worse (by ``loss_tolerance`` and
+            ``loss_floor``) than the synchronous one was its lag earlier.
+            Costs a copy of the weights and optimizer state, refreshed at each
+            new best window, and the minibatches since. None (default): on
+            when that copy (trainable parameters, buffers, optimizer state)
+            takes at most ``attribution_max_bytes``. Whatever this is, a
+            signal after synchronous steps only is dismissed.
+        attribution_max_steps: minibatches kept since the best window; past
+            that the copy is dropped and a signal is acted on unattributed.
+        attribution_max_bytes: the largest copy ``attribute_loss=None`` makes
+            (1 GiB): larger models keep their memory and step down unattributed.
         start_synchronous: trade mode: no delays until staleness prices exist
             (a full window of ``staleness_window`` measurements: step
             ``staleness_every``, 25 by default); the first plan is synchronous
@@ -160,8 +165,9 @@ class PreserverConfig:
     probe_budget: float = 0.05
     trade_margin: float = 0.05
     start_synchronous: bool | None = None
-    attribute_loss: bool = True
-    attribution_steps: int = 5
+    attribute_loss: bool | None = None
+    attribution_max_steps: int = 60
+    attribution_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.divergence_factor <= 1.0:
@@ -172,8 +178,8 @@ class PreserverConfig:
             raise ValueError("staleness_every must be >= 0 (0 turns the staleness error off)")
         if not 0.0 <= self.release_ratio <= 1.0:
             raise ValueError("release_ratio must be in [0, 1]")
-        if self.attribution_steps < 1:
-            raise ValueError("attribution_steps must be at least 1")
+        if self.attribution_max_steps < 1:
+            raise ValueError("attribution_max_steps must be at least 1")
         if self.staleness_window < 1:
             raise ValueError("staleness_window must be at least 1")
         if self.staleness_price < 0 or self.probe_budget < 0 or self.probe_backoff < 1 or self.trade_margin < 0:
@@ -421,6 +427,11 @@ class Preserver:
         return self._record(step, reason, metrics)
 
     # -- signals --------------------------------------------------------------
+    @property
+    def best_loss(self) -> float | None:
+        """The best window mean loss since the last decision (what the loss rules compare with)."""
+        return self._best_loss
+
     def loss_signal(self, step: int, mean_loss: float) -> LossSignal | None:
         """One loss window ended with this all-rank mean loss: a signal of harm, or None. Updates the best
         window and the count of harmful windows; decides nothing (``observe_window`` or ``attribute`` do)."""
@@ -453,14 +464,17 @@ class Preserver:
         signal = self.loss_signal(step, mean_loss)
         return self._step_down(step, signal.reason, signal.metrics) if signal is not None else None
 
-    def attribute(self, signal: LossSignal, step: int, stale_loss: float, sync_loss: float) -> PreserverEvent | None:
-        """The paired replay of ``signal`` ended: step down if the plan's staleness made the loss worse than
-        synchronous updates did from the same state on the same minibatches, else dismiss the signal."""
-        metrics = {**signal.metrics, "replay_stale_loss": stale_loss, "replay_synchronous_loss": sync_loss}
+    def attribute(self, signal: LossSignal, step: int, stale_loss: float, sync_loss: float,
+                  steps: int) -> PreserverEvent | None:
+        """The paired replay of the ``steps`` steps since the best window ended: step down if the staleness that
+        ran made the loss worse than synchronous updates did from the same state on the same minibatches, else
+        dismiss the signal."""
+        metrics = {**signal.metrics, "replay_stale_loss": stale_loss, "replay_synchronous_loss": sync_loss,
+                   "replay_steps": steps}
         worse = not math.isfinite(stale_loss) or (
             stale_loss > sync_loss * (1 + self.config.loss_tolerance) and stale_loss - sync_loss > self.config.loss_floor)
-        comparison = f"paired replay of {self.config.attribution_steps} steps: {stale_loss:.4g} with the plan's staleness, " \
-                     f"{sync_loss:.4g} synchronous"
+        comparison = f"paired replay of the {steps} steps since the best window: {stale_loss:.4g} with the " \
+                     f"staleness that ran, {sync_loss:.4g} synchronous"
         if worse:
             return self._step_down(step, f"{signal.reason}; {comparison}", metrics)
         self.dismiss(step, signal, f"{comparison}: staleness did not cause it", metrics)

@@ -7,9 +7,9 @@ number. Every ``staleness_every`` steps, when the plan has stale items (or
 buckets the Preserver pinned), it copies the parameters before the step and
 afterwards recomputes the step's minibatch gradient at both weights (two eager
 forward/backward passes, see :mod:`deft_compile.preserver.staleness`), then all-reduces
-two numbers per bucket. After a finite loss signal while the plan has staleness,
-it keeps a copy of the state and of the next ``attribution_steps`` minibatches and
-replays them with and without the plan's staleness
+two numbers per bucket. With ``attribute_loss`` it copies the state at every new
+best loss window and keeps the minibatches since; after a finite loss signal it
+replays them with and without the staleness that ran
 (:mod:`deft_compile.preserver.attribution`), then all-reduces two numbers.
 """
 
@@ -30,6 +30,10 @@ from deft_compile.preserver.decisions import LossSignal, Preserver, PreserverEve
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
 from deft_compile.preserver.staleness import same_batch_gradient_change, update_metric
+
+
+#: minibatches (the last kept ones) over which the paired replay's arms are compared
+_REPLAY_EVALUATION_BATCHES = 10
 
 
 class WatchedStep(Protocol):
@@ -67,12 +71,17 @@ class PreserverMonitor:
         self._probe: dict | None = None
         self.probe_seconds = 0.0  # wall-clock time spent measuring staleness (cloning weights, recomputing)
         self._clone_seconds = 0.0  # the weight copy of the measurement under way
-        self._attribution: dict | None = None  # a loss signal's paired replay, collecting its minibatches
-        self.attribution_seconds = 0.0  # wall-clock time spent on paired replays (copies and both arms)
+        # since the best loss window: whether a step ran stale, and (attribute_loss) a copy of the state there with
+        # the minibatches and schedules of the steps since, for a paired replay
+        self._stale_since_best = False
+        self._since_best: dict | None = None
+        self._attribute: bool | None = None  # attribute_loss, resolved at the first best window
+        self._schedule_of: tuple[Any, Schedule] = (None, {})  # (step.items, the schedule those items run)
+        self.attribution_seconds = 0.0  # wall-clock time spent on copies and paired replays
 
     def state_dict(self) -> dict:
-        """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one (a paired
-        replay under way is dropped: the resumed run continues with the standing plan)."""
+        """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one (the copy
+        for a paired replay is not saved: a signal before the next best window is acted on unattributed)."""
         return {**self.preserver.state_dict(), "loss_sum": self._loss_sum, "loss_count": self._loss_count,
                 "recent_losses": list(self._recent_losses)}
 
@@ -106,9 +115,7 @@ class PreserverMonitor:
         self._before = None
         step = self.step.step_count + 1
         if self._probe is None and not self.preserver.exhausted and self.preserver.staleness_due(step):
-            # a call that only accumulates changes no weight; while a loss rise is attributed, the plan that runs
-            # is a provisional synchronous one, whose measurement would trade on the wrong plan
-            if not self.step.updates_at(self.step.step_count) or self._attribution is not None:
+            if not self.step.updates_at(self.step.step_count):  # a call that only accumulates changes no weight
                 self.preserver.probes.postpone(1)
                 return
             if not self._worth_measuring():
@@ -219,11 +226,8 @@ class PreserverMonitor:
         self._loss_sum += value
         self._loss_count += 1
         event = None
-        if self._attribution is not None and self.step.last_call_updated:
-            event = self._collect_for_attribution(step_count, args, kwargs)
-        if event is not None:
-            self._before = None  # the plan changed: this step's staleness measurement is of the old one
-        elif self._before is not None and self.config.trade:
+        self._keep_since_best(args, kwargs)
+        if self._before is not None and self.config.trade:
             started = time.perf_counter()
             changes, probe_ms = self._parameter_changes(args, kwargs)
             self._before = None
@@ -240,9 +244,7 @@ class PreserverMonitor:
         if event is None and step_count % self.config.check_every == 0:
             mean_loss = self._all_rank_mean([self._loss_sum / self._loss_count])[0]
             self._loss_sum, self._loss_count = 0.0, 0
-            if self._attribution is None or not math.isfinite(mean_loss):  # a replay under way decides, unless
-                self._attribution = None                                     # the loss is lost already
-                event = self._on_loss_window(step_count, mean_loss)
+            event = self._on_loss_window(step_count, mean_loss)
         if (
             event is None
             and self.config.probe_every > 0
@@ -256,67 +258,103 @@ class PreserverMonitor:
         return event
 
     def _on_loss_window(self, step_count: int, mean_loss: float) -> PreserverEvent | None:
-        """A loss window ended: step down on a signal that staleness may have caused, after attributing it
-        (``PreserverConfig.attribute_loss``); a loss that is not finite steps down at once."""
+        """A loss window ended: on a signal, step down unless the rise is not staleness's: nothing stale ran
+        since the best window, or (``attribute_loss``) the paired replay of those steps says so. A loss that is
+        not finite steps down at once."""
+        best = self.preserver.best_loss
         signal = self.preserver.loss_signal(step_count, mean_loss)
         if signal is None:
+            if self.preserver.best_loss != best:  # a new best window: the replay starts here
+                self._restart_since_best()
             return None
-        if self.config.attribute_loss and signal.finite:
-            standing = self.step.solve(self.preserver.options)
-            schedule = self._stale_schedule(standing)
-            if not schedule:
-                self.preserver.dismiss(step_count, signal, "the plan in force has no delay and no update period")
-                return None
-            # safe first: synchronous while the replay's minibatches arrive, so a real harm grows no further
-            self.step.switch_plan({**self.preserver.options, "max_staleness": 0, "allow_period": False},
-                                  f"Preserver: synchronous while a loss rise is attributed ({signal.reason})")
-            started = time.perf_counter()  # after the switch's flush: the snapshot has nothing pending
-            self._attribution = {"signal": signal, "schedule": schedule, "batches": [], "standing": _schedule(standing),
-                                 "snapshot": Snapshot(self.step.model, self.step.optimizer)}
+        since = self._since_best
+        if signal.finite and not self._stale_since_best:
+            self.preserver.dismiss(step_count, signal, "no step since the best window ran a delay or an update period")
+            self._restart_since_best()
+            return None
+        event = None
+        if signal.finite and since is not None and since["batches"]:
+            started = time.perf_counter()
+            stale, synchronous = self._paired_replay(since)
             self.attribution_seconds += time.perf_counter() - started
-            return None
-        event = self.preserver._step_down(step_count, signal.reason, signal.metrics)
+            event = self.preserver.attribute(signal, step_count, stale, synchronous, len(since["batches"]))
+            if event is None:
+                self._restart_since_best()
+        else:
+            event = self.preserver._step_down(step_count, signal.reason, signal.metrics)
         if event is not None:
             self._apply(event)
+            self._restart_since_best()
         return event
 
-    def _stale_schedule(self, plan: Plan) -> Schedule:
-        """Parameter name -> (delay, period) of every parameter ``plan`` (the Preserver's standing plan) makes
-        stale; a parameter split over items takes the most stale of its slices."""
-        names = [param.name for param in self.step.profile.params]
+    def _restart_since_best(self) -> None:
+        """The reference point moves here (a new best window, or a decision that measures the best anew)."""
+        self._stale_since_best = False
+        self._since_best = None
+        if self._attributing():
+            started = time.perf_counter()
+            self._since_best = {"snapshot": Snapshot(self.step.model, self.step.optimizer), "batches": [],
+                                "schedules": []}
+            self.attribution_seconds += time.perf_counter() - started
+
+    def _attributing(self) -> bool:
+        """``PreserverConfig.attribute_loss``, with None resolved once: on if the copy fits ``attribution_max_bytes``."""
+        if self._attribute is None:
+            setting = self.config.attribute_loss
+            if setting is None:
+                model, optimizer = self.step.model, self.step.optimizer
+                tensors = [p for p in model.parameters() if p.requires_grad] + list(model.buffers()) + [
+                    v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+                setting = sum(t.numel() * t.element_size() for t in tensors) <= self.config.attribution_max_bytes
+            self._attribute = bool(setting)
+        return self._attribute
+
+    def _keep_since_best(self, args: tuple, kwargs: dict) -> None:
+        """After a step: note whether it ran stale, and keep its minibatch and schedule for a paired replay."""
+        if not self.step.last_call_updated:
+            return
+        items, schedule = self._schedule_of
+        if items is not self.step.items:  # the items change only with the plan: one schedule per item list
+            self._schedule_of = (self.step.items, self._running_schedule())
+            items, schedule = self._schedule_of
+        self._stale_since_best = self._stale_since_best or bool(schedule)
+        since = self._since_best
+        if since is None:
+            return
+        if len(since["batches"]) >= self.config.attribution_max_steps:
+            self._since_best = None  # too long since the best: a signal is acted on unattributed
+            return
+        started = time.perf_counter()
+        since["batches"].append(kept_batch(args, kwargs))
+        since["schedules"].append(schedule)
+        self.attribution_seconds += time.perf_counter() - started
+
+    def _running_schedule(self) -> Schedule:
+        """Parameter name -> (delay, period) of every parameter the running items make stale (a parameter split
+        over items takes the most stale of its shares)."""
+        names = self.step.graph.captured.model_state.param_names  # items hold captured indices
         schedule: Schedule = {}
-        for item in plan.items:
-            if item.delay or item.period > 1:
-                for piece in item.slices:
-                    delay, period = schedule.get(names[piece.param], (0, 1))
-                    schedule[names[piece.param]] = (max(delay, item.delay), max(period, item.period))
+        for item in self.step.items:
+            delay = 1 if item.apply == APPLY_NEXT_UPDATE else 0
+            if delay or item.period > 1:
+                for p in item.params:
+                    old_delay, old_period = schedule.get(names[p], (0, 1))
+                    schedule[names[p]] = (max(old_delay, delay), max(old_period, item.period))
         return schedule
 
-    def _collect_for_attribution(self, step_count: int, args: tuple, kwargs: dict) -> PreserverEvent | None:
-        """Keep this step's minibatch for the replay; with all of them, replay both arms and let the Preserver
-        judge the signal on the all-rank means. Returns the step-down, if any."""
-        started = time.perf_counter()
-        attribution = self._attribution
-        attribution["batches"].append(kept_batch(args, kwargs))
-        if len(attribution["batches"]) < self.config.attribution_steps:
-            self.attribution_seconds += time.perf_counter() - started
-            return None
-        self._attribution = None
-        schedule, batches, snapshot = attribution["schedule"], attribution["batches"], attribution["snapshot"]
-        lagged = max(0, len(batches) - lag_steps(schedule))  # the synchronous arm this many steps in
-        clip = self.step.config.max_grad_norm
-        stale = replay(self.step.model, snapshot, self.step.loss_fn, batches, schedule, clip)[len(batches)]
-        synchronous = replay(self.step.model, snapshot, self.step.loss_fn, batches, {}, clip, (lagged,))[lagged] \
-            if lagged > 0 else loss_over(self.step.model, snapshot, snapshot.params, self.step.loss_fn, batches)
-        stale, synchronous = self._all_rank_mean([min(stale, 1e300), min(synchronous, 1e300)])
-        self.attribution_seconds += time.perf_counter() - started
-        signal: LossSignal = attribution["signal"]
-        event = self.preserver.attribute(signal, step_count, stale, synchronous)
-        if event is not None:
-            self._apply(event, standing=attribution["standing"], record=True)
+    def _paired_replay(self, since: dict) -> tuple[float, float]:
+        """All-rank means of the stale arm's final loss and of the synchronous arm's loss its lag earlier."""
+        batches, schedules, snapshot = since["batches"], since["schedules"], since["snapshot"]
+        lagged = max(0, len(batches) - lag_steps(schedules))
+        clip, model, loss_fn = self.step.config.max_grad_norm, self.step.model, self.step.loss_fn
+        evaluate_on = min(len(batches), _REPLAY_EVALUATION_BATCHES)
+        stale = replay(model, snapshot, loss_fn, batches, schedules, clip, evaluate_on=evaluate_on)[len(batches)]
+        if lagged > 0:
+            synchronous = replay(model, snapshot, loss_fn, batches, {}, clip, (lagged,), evaluate_on)[lagged]
         else:
-            self.step.switch_plan(self.preserver.options, "Preserver: the loss rise was not staleness's, back to the plan")
-        return event
+            synchronous = loss_over(model, snapshot, snapshot.params, loss_fn, batches[-evaluate_on:])
+        stale, synchronous = self._all_rank_mean([min(stale, 1e300), min(synchronous, 1e300)])
+        return stale, synchronous
 
     def _during_probe(self, value: float, step_count: int) -> PreserverEvent | None:
         probe = self._probe
@@ -334,15 +372,13 @@ class PreserverMonitor:
         self._recent_losses = []
         return event
 
-    def _apply(self, event: PreserverEvent, step_down: bool = True, standing: list[dict] | None = None,
-               record: bool = False) -> None:
-        """Switch to the event's plan. A ladder level whose plan is the same as the one stepped down from
-        (``standing``, else the plan in force) is skipped (``step_down``); a pinning that leaves the plan as it
-        is changes nothing, unless ``record`` (the decision then still goes to ``plan_history``)."""
-        current = standing if standing is not None else _schedule(self.step.plan)
+    def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
+        """Switch to the event's plan. A ladder level whose plan is the same as the current one is skipped
+        (``step_down``); a pinning that leaves the plan as it is changes nothing."""
+        current = _schedule(self.step.plan)
         while step_down and _schedule(self.step.solve(self.preserver.options)) == current and not self.preserver.exhausted:
             self.preserver._step_down(event.step, "the plan did not change at that level", event.metrics)
-        if record or _schedule(self.step.solve(self.preserver.options)) != _schedule(self.step.plan):
+        if _schedule(self.step.solve(self.preserver.options)) != current:
             self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)
 
 
