@@ -225,7 +225,7 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "aggregate": aggregate(runs),
                             # plans and profiles too, so a simulator change can be re-checked on measured rows
                             "runs": [{k: r[k] for k in ("rows", "plan_history", "wall_s", "coverage_rate", "plans",
-                                                        "profiles") if k in r} for r in runs]})
+                                                        "profiles", "preserver_dismissed") if k in r} for r in runs]})
             print(table(results[-1:]), flush=True)
             partial = Path(args.out)  # every finished row is kept, so an interrupted suite loses nothing measured
             partial.parent.mkdir(parents=True, exist_ok=True)
