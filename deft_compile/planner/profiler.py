@@ -204,8 +204,6 @@ def measure_message_cpu(group: Any, messages: int = 24, repeats: int = 3) -> flo
     ``split_with_sizes``. Messages are launched back to back, then waited for once the link is surely done
     with them, so the time is the thread's, not the link's (the simulator charges the link with α and β).
     The fastest of ``repeats`` (noise only adds time), the slowest rank's. Every rank must call it."""
-    import torch.distributed.distributed_c10d as c10d  # noqa: F401  (registers the functional collectives)
-
     functional = torch.ops._c10d_functional
     pieces = [torch.ones(1), torch.ones(1)]
     buckets = [torch.empty(2) for _ in range(messages)]
