@@ -359,6 +359,7 @@ class PreserverMonitor:
     def _during_probe(self, value: float, step_count: int) -> PreserverEvent | None:
         probe = self._probe
         probe["sync_losses"].append(value)
+        self._since_best = None  # the probe's steps are not kept: a replay would skip them
         if len(probe["sync_losses"]) < self.config.probe_window:
             return None
         self._probe = None
