@@ -337,6 +337,7 @@ def test_a_loss_rise_after_synchronous_steps_only_is_dismissed_without_a_replay(
     synchronous = run_local_workers(attribution_run, 2, (0.002, 40, 20, True), timeout_s=240)[0].value
     assert synchronous["dismissed"] and "no step since the best window ran" in synchronous["dismissed"][0]
     assert synchronous["events"] == [] and synchronous["level"] == 0
+    assert synchronous["overheads"]["attribution_seconds"] == 0, "a synchronous run never copies its state"
 
 
 def test_without_the_replay_a_rise_after_stale_steps_steps_down():

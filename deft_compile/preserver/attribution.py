@@ -9,9 +9,10 @@ the loss moves between windows by itself. Nor can a replay that starts at the
 signal: by then the harm is in the weights, and synchronous steps from there do
 no better for a while (measured: docs/CONVERGENCE.md, the staleness benchmark).
 
-So the monitor copies the weights, buffers and optimizer state whenever a loss
-window sets a new best, and keeps the minibatches from there on with the
-schedule each step ran (the ``Schedule`` of every parameter the plan made stale).
+So after each loss window that sets a new best, the monitor copies the weights,
+buffers and optimizer state before the first stale step (the synchronous steps
+before it are the same in both arms), and keeps the minibatches from there on with
+the schedule each step ran (the ``Schedule`` of every parameter the plan made stale).
 At a signal each rank replays them locally (no communication) twice from that
 copy: once with the schedules that ran (DESIGN.md §4, local gradients in place of
 averaged ones) and once synchronous. Both arms draw the same dropout masks per
@@ -23,8 +24,8 @@ loss is held against the synchronous arm's loss ``lag_steps`` steps before the
 end: harm is being worse than that. The losses are taken over the last kept
 minibatches (all-rank means, by the caller).
 
-Costs: one copy of the weights and optimizer state, refreshed at every new best
-window, and the kept minibatches (at most ``PreserverConfig.attribution_max_steps``);
+Costs: one copy of the weights and optimizer state, refreshed after every new best
+window while stale steps run (never in a synchronous run), and the kept minibatches (at most ``PreserverConfig.attribution_max_steps``);
 after a signal, per arm one more copy, one eager forward/backward per kept step
 and forwards to evaluate.
 """

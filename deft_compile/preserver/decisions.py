@@ -128,8 +128,9 @@ class PreserverConfig:
             there, with the schedules that ran and synchronous, and step down
             only if the stale replay ends worse (by ``loss_tolerance`` and
             ``loss_floor``) than the synchronous one was its lag earlier.
-            Costs a copy of the weights and optimizer state, refreshed at each
-            new best window, and the minibatches since. None (default): on
+            Costs a copy of the weights and optimizer state, taken before the
+            first stale step after each new best window, and the minibatches
+            since. None (default): on
             when that copy (trainable parameters, buffers, optimizer state)
             takes at most ``attribution_max_bytes``. Whatever this is, a
             signal after synchronous steps only is dismissed.

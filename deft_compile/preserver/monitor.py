@@ -7,9 +7,9 @@ number. Every ``staleness_every`` steps, when the plan has stale items (or
 buckets the Preserver pinned), it copies the parameters before the step and
 afterwards recomputes the step's minibatch gradient at both weights (two eager
 forward/backward passes, see :mod:`deft_compile.preserver.staleness`), then all-reduces
-two numbers per bucket. With ``attribute_loss`` it copies the state at every new
-best loss window and keeps the minibatches since; after a finite loss signal it
-replays them with and without the staleness that ran
+two numbers per bucket. With ``attribute_loss`` it copies the state before the
+first stale step after each new best loss window and keeps the minibatches since;
+after a finite loss signal it replays them with and without the staleness that ran
 (:mod:`deft_compile.preserver.attribution`), then all-reduces two numbers.
 """
 
@@ -76,6 +76,7 @@ class PreserverMonitor:
         self._stale_since_best = False
         self._since_best: dict | None = None
         self._attribute: bool | None = None  # attribute_loss, resolved at the first best window
+        self._copy_wanted = False  # copy the state before the next stale step (a new best window has passed)
         self._schedule_of: tuple[Any, Schedule] = (None, {})  # (step.items, the schedule those items run)
         self.attribution_seconds = 0.0  # wall-clock time spent on copies and paired replays
 
@@ -111,7 +112,9 @@ class PreserverMonitor:
         return any(self._staleness(item) > 0 for item in self.step.items) or bool(self.preserver.pinned)
 
     def before_step(self) -> None:
-        """Called before every step: keep the weights if this step's staleness error is measured."""
+        """Called before every step: keep the weights if this step's staleness error is measured, and copy the
+        state for a paired replay before the first stale step since the best loss window."""
+        self._copy_before_first_stale_step()
         self._before = None
         step = self.step.step_count + 1
         if self._probe is None and not self.preserver.exhausted and self.preserver.staleness_due(step):
@@ -288,14 +291,30 @@ class PreserverMonitor:
         return event
 
     def _restart_since_best(self) -> None:
-        """The reference point moves here (a new best window, or a decision that measures the best anew)."""
+        """The reference point moves here (a new best window, or a decision that measures the best anew). The
+        copy for a paired replay is taken lazily, before the first stale step from here: steps before it are
+        synchronous in both arms alike, and a run that stays synchronous never pays for a copy."""
         self._stale_since_best = False
         self._since_best = None
-        if self._attributing():
-            started = time.perf_counter()
-            self._since_best = {"snapshot": Snapshot(self.step.model, self.step.optimizer), "batches": [],
-                                "schedules": []}
-            self.attribution_seconds += time.perf_counter() - started
+        self._copy_wanted = self._attributing()
+
+    def _copy_before_first_stale_step(self) -> None:
+        if not self._copy_wanted or self._probe is not None or not self.step.updates_at(self.step.step_count):
+            return
+        if not self._schedule_in_force():
+            return
+        started = time.perf_counter()
+        self._since_best = {"snapshot": Snapshot(self.step.model, self.step.optimizer), "batches": [], "schedules": []}
+        self._copy_wanted = False
+        self.attribution_seconds += time.perf_counter() - started
+
+    def _schedule_in_force(self) -> Schedule:
+        """The schedule of the items the step runs now (cached per item list: it changes only with the plan)."""
+        items, schedule = self._schedule_of
+        if items is not self.step.items:
+            self._schedule_of = (self.step.items, self._running_schedule())
+            items, schedule = self._schedule_of
+        return schedule
 
     def _attributing(self) -> bool:
         """``PreserverConfig.attribute_loss``, with None resolved once: on if the copy fits ``attribution_max_bytes``."""
@@ -313,10 +332,7 @@ class PreserverMonitor:
         """After a step: note whether it ran stale, and keep its minibatch and schedule for a paired replay."""
         if not self.step.last_call_updated:
             return
-        items, schedule = self._schedule_of
-        if items is not self.step.items:  # the items change only with the plan: one schedule per item list
-            self._schedule_of = (self.step.items, self._running_schedule())
-            items, schedule = self._schedule_of
+        schedule = self._schedule_in_force()
         self._stale_since_best = self._stale_since_best or bool(schedule)
         since = self._since_best
         if since is None:
@@ -359,7 +375,7 @@ class PreserverMonitor:
     def _during_probe(self, value: float, step_count: int) -> PreserverEvent | None:
         probe = self._probe
         probe["sync_losses"].append(value)
-        self._since_best = None  # the probe's steps are not kept: a replay would skip them
+        self._since_best, self._copy_wanted = None, False  # the probe's steps are not kept: a replay would skip them
         if len(probe["sync_losses"]) < self.config.probe_window:
             return None
         self._probe = None
