@@ -36,10 +36,9 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from deft_compile.outputs import loss_of
+from deft_compile.preserver.staleness import seeded_loss
 
 #: (delay d, period K) of a parameter under the plan being judged; missing names are synchronous (0, 1)
 Schedule = dict[str, tuple[int, int]]
@@ -51,11 +50,12 @@ class Snapshot:
     """Copies of a model's trained parameters, buffers and its optimizer's hyperparameters and state."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
-        self.params = [p.detach().clone() for name, p in model.named_parameters() if p.requires_grad]
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in trained]
+        self.params = [p.detach().clone() for _, p in trained]
         self.frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        index = {id(p): i for i, (name, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad)}
+        index = {id(p): i for i, (_, p) in enumerate(trained)}
         self.optimizer_type = type(optimizer)
         self.groups = [({k: v for k, v in group.items() if k != "params"}, [index[id(p)] for p in group["params"]
                                                                               if id(p) in index])
@@ -81,16 +81,6 @@ def _clone(value: Any) -> Any:
 def kept_batch(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """A step's inputs, copied: a loader may refill the same tensors in place."""
     return tree_map(_clone, (tuple(args), dict(kwargs)))
-
-
-def _loss(model: torch.nn.Module, tensors: dict[str, torch.Tensor], loss_fn: Callable[..., Any] | None,
-          args: tuple, kwargs: dict[str, Any], seed: int) -> torch.Tensor:
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(seed)  # both arms draw the same dropout masks at the same step
-        if loss_fn is None:
-            return loss_of(functional_call(model, tensors, args, kwargs))
-        return loss_of(loss_fn(functional_call(model, tensors, (args[0],), kwargs), args[1]))
 
 
 def _tensors(snapshot: Snapshot, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -127,7 +117,7 @@ def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., An
         if t > 0 and schedules[t] != schedules[t - 1]:
             _flush(optimizer, params, pending, accumulated, max_grad_norm)
         with torch.enable_grad():
-            loss = _loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t)
+            loss = seeded_loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         for i, (name, p, g) in enumerate(zip(snapshot.names, params, grads)):
             delay, period = schedules[t].get(name, (0, 1))
@@ -168,7 +158,7 @@ def _flush(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], pen
 def loss_over(model: torch.nn.Module, snapshot: Snapshot, params: Sequence[torch.Tensor],
                loss_fn: Callable[..., Any] | None, batches: Sequence[tuple[tuple, dict[str, Any]]]) -> float:
     with torch.no_grad():
-        losses = [float(_loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t))
+        losses = [float(seeded_loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t))
                   for t, (args, kwargs) in enumerate(batches)]
     return sum(losses) / len(losses) if all(math.isfinite(v) for v in losses) else math.inf
 

@@ -51,18 +51,27 @@ def update_metric(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.
     return metric
 
 
+def seeded_loss(model: torch.nn.Module, tensors: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor] | None,
+                args: tuple, kwargs: dict[str, Any], seed: int = _RECOMPUTE_SEED) -> torch.Tensor:
+    """The step's loss with ``tensors`` in place of the module's own (``functional_call``), drawing random numbers
+    (dropout masks) from ``seed`` in a forked RNG, so training's stream is untouched and two calls with one seed
+    draw the same masks. The loss is ``loss_fn(model(args[0]), args[1])`` as in the compiled step, or
+    ``model(*args, **kwargs)`` without ``loss_fn``."""
+    # manual_seed reseeds every device's generator: fork (save and restore) the CUDA ones too
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        if loss_fn is None:
+            return loss_of(functional_call(model, tensors, args, kwargs))
+        return loss_of(loss_fn(functional_call(model, tensors, (args[0],), kwargs), args[1]))
+
+
 def _loss_at(model: torch.nn.Module, names: Sequence[str], params: Sequence[torch.Tensor],
              buffers: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor] | None,
              args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
     tensors: dict[str, torch.Tensor] = dict(zip(names, params))
     tensors.update({name: buffer.clone() for name, buffer in buffers.items()})
-    # manual_seed reseeds every device's generator: fork (save and restore) the CUDA ones too
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(_RECOMPUTE_SEED)
-        if loss_fn is None:
-            return loss_of(functional_call(model, tensors, args, kwargs))
-        return loss_of(loss_fn(functional_call(model, tensors, (args[0],), kwargs), args[1]))
+    return seeded_loss(model, tensors, loss_fn, args, kwargs)
 
 
 def same_batch_gradient_change(
