@@ -29,7 +29,7 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -182,20 +182,18 @@ def measure_link(name: str, group: Any, repeats: int = 6) -> LinkCost:
 
 def measure_queued_message_ms(group: Any, messages: int = 16, repeats: int = 3) -> float:
     """Milliseconds per message when ``messages`` tiny all-reduces are launched back to back and then waited
-    for: the marginal cost of a message in a queue, latency overlapped as the backend allows. The fastest of
-    ``repeats`` after a warm-up round, the slowest rank's."""
+    for: the marginal cost of a message in a queue, latency overlapped as the backend allows. Every rank must
+    call it."""
     tensors = [torch.ones(1) for _ in range(messages)]
-    best = math.inf
-    for _ in range(repeats + 1):
-        dist.barrier(group=group)
+
+    def round_seconds() -> float:
         started = time.perf_counter()
         works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
         for work in works:
             work.wait()
-        best = min(best, (time.perf_counter() - started) * 1e3 / messages)
-    slowest = torch.tensor([best], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return float(slowest.item())
+        return time.perf_counter() - started
+
+    return _fastest_round_ms(round_seconds, group, repeats) / messages
 
 
 def measure_message_cpu(group: Any, messages: int = 24, repeats: int = 3) -> float:
@@ -203,14 +201,13 @@ def measure_message_cpu(group: Any, messages: int = 24, repeats: int = 3) -> flo
     into a bucket, the in-place functional all-reduce that launches it, and later ``wait_tensor`` and
     ``split_with_sizes``. Messages are launched back to back, then waited for once the link is surely done
     with them, so the time is the thread's, not the link's (the simulator charges the link with α and β).
-    The fastest of ``repeats`` (noise only adds time), the slowest rank's. Every rank must call it."""
+    Every rank must call it."""
     functional = torch.ops._c10d_functional
     pieces = [torch.ones(1), torch.ones(1)]
     buckets = [torch.empty(2) for _ in range(messages)]
     name = group.group_name
-    best = math.inf
-    for _ in range(repeats + 1):  # the first round warms the path up
-        dist.barrier(group=group)
+
+    def round_seconds() -> float:
         started = time.perf_counter()
         launched = [functional.all_reduce_(torch.cat(pieces, out=bucket), "sum", name) for bucket in buckets]
         launch_s = time.perf_counter() - started
@@ -218,8 +215,21 @@ def measure_message_cpu(group: Any, messages: int = 24, repeats: int = 3) -> flo
         started = time.perf_counter()
         for out in launched:
             torch.split(functional.wait_tensor(out), [1, 1])
-        best = min(best, (launch_s + time.perf_counter() - started) * 1e3 / messages)
-    slowest = torch.tensor([best], dtype=torch.float64)
+        return launch_s + time.perf_counter() - started
+
+    return _fastest_round_ms(round_seconds, group, repeats) / messages
+
+
+def _fastest_round_ms(round_seconds: Callable[[], float], group: Any, repeats: int) -> float:
+    """Milliseconds of the fastest of ``repeats`` rounds (noise only adds time), each after a barrier, after one
+    warm-up round; the slowest rank's, so every rank gets the same number."""
+    best = math.inf
+    for index in range(repeats + 1):
+        dist.barrier(group=group)
+        seconds = round_seconds()
+        if index > 0:  # the first round warms the path up
+            best = min(best, seconds)
+    slowest = torch.tensor([best * 1e3], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest.item())
 
