@@ -85,32 +85,36 @@ def test_veto_mode_staleness_schedule_has_early_measurements():
 
 def test_rising_loss_needs_patience():
     preserver = _preserver(loss_tolerance=0.05, patience=2)
-    assert preserver.observe_window(10, 1.00) is None
-    assert preserver.observe_window(20, 0.90) is None
-    assert preserver.observe_window(30, 0.97) is None  # 7.8 % above the best, first time
-    event = preserver.observe_window(40, 0.99)
-    assert event is not None and "exceeds the best" in event.reason
+    assert preserver.loss_signal(10, 1.00) is None
+    assert preserver.loss_signal(20, 0.90) is None
+    assert preserver.loss_signal(30, 0.97) is None  # 7.8 % above the best, first time
+    signal = preserver.loss_signal(40, 0.99)
+    assert signal is not None and signal.finite and "exceeds the best" in signal.reason
+    event = preserver.act_on(signal)
+    assert event is not None and event.step == 40 and preserver.level == 1
 
 
 def test_noise_within_tolerance_and_recovery_reset_patience():
     preserver = _preserver(loss_tolerance=0.05, patience=2)
     for step, loss in enumerate([1.0, 1.03, 0.98, 1.02, 1.08, 0.97, 1.09]):
-        assert preserver.observe_window(step, loss) is None
+        assert preserver.loss_signal(step, loss) is None
 
 
 def test_loss_noise_near_zero_is_not_harm():
     """A 10 % relative rise of a tiny loss is below the absolute floor."""
     preserver = _preserver(loss_tolerance=0.05, loss_floor=0.02, patience=1)
-    assert preserver.observe_window(10, 0.0004) is None
-    assert preserver.observe_window(20, 0.00044) is None
-    assert preserver.observe_window(30, 0.0009) is None, "twice a tiny loss is not divergence"
-    assert preserver.observe_window(40, 0.05) is not None
+    assert preserver.loss_signal(10, 0.0004) is None
+    assert preserver.loss_signal(20, 0.00044) is None
+    assert preserver.loss_signal(30, 0.0009) is None, "twice a tiny loss is not divergence"
+    assert preserver.loss_signal(40, 0.05) is not None
 
 
 def test_nan_loss_counts_as_harm():
     preserver = _preserver(patience=1)
-    preserver.observe_window(10, 1.0)
-    assert preserver.observe_window(20, float("nan")) is not None
+    preserver.loss_signal(10, 1.0)
+    signal = preserver.loss_signal(20, float("nan"))
+    assert signal is not None and not signal.finite
+    assert preserver.act_on(signal) is not None
 
 
 def test_probe_compares_with_the_synchronous_window():
@@ -231,13 +235,6 @@ def test_a_loss_signal_is_acted_on_only_when_the_paired_replay_blames_staleness(
     assert event is not None and preserver.level == 1 and "paired replay of the 20 steps" in event.reason
     assert event.metrics["replay_stale_loss"] == 2.0 and event.metrics["replay_synchronous_loss"] == 1.5
     assert preserver.attribute(signal, 55, float("inf"), 1.0, steps=5) is not None, "a stale arm that diverged"
-
-
-def test_a_loss_that_is_not_finite_is_a_signal_that_needs_no_attribution():
-    preserver = _preserver()
-    preserver.loss_signal(10, 1.0)
-    signal = preserver.loss_signal(20, float("nan"))
-    assert signal is not None and not signal.finite
 
 
 def test_replay_lag_is_the_largest_mean_staleness():

@@ -435,7 +435,7 @@ class Preserver:
 
     def loss_signal(self, step: int, mean_loss: float) -> LossSignal | None:
         """One loss window ended with this all-rank mean loss: a signal of harm, or None. Updates the best
-        window and the count of harmful windows; decides nothing (``observe_window`` or ``attribute`` do)."""
+        window and the count of harmful windows; decides nothing (``act_on``, ``attribute`` and ``dismiss`` do)."""
         metrics: dict[str, Any] = {"mean_loss": mean_loss}
         if not math.isfinite(mean_loss):
             return LossSignal(step, f"training diverges: window mean loss {mean_loss:.4g}", metrics, finite=False)
@@ -460,10 +460,9 @@ class Preserver:
             self._harmful_windows = 0
         return None
 
-    def observe_window(self, step: int, mean_loss: float) -> PreserverEvent | None:
-        """One loss window ended with this all-rank mean loss: step down on any signal, without attribution."""
-        signal = self.loss_signal(step, mean_loss)
-        return self._step_down(step, signal.reason, signal.metrics) if signal is not None else None
+    def act_on(self, signal: LossSignal) -> PreserverEvent | None:
+        """Step down for ``signal`` unattributed (a loss that is not finite, or no copy to replay from)."""
+        return self._step_down(signal.step, signal.reason, signal.metrics)
 
     def attribute(self, signal: LossSignal, step: int, stale_loss: float, sync_loss: float,
                   steps: int) -> PreserverEvent | None:

@@ -284,7 +284,7 @@ class PreserverMonitor:
             if event is None:
                 self._restart_since_best()
         else:
-            event = self.preserver._step_down(step_count, signal.reason, signal.metrics)
+            event = self.preserver.act_on(signal)
         if event is not None:
             self._apply(event)
             self._restart_since_best()
