@@ -25,7 +25,8 @@ end: harm is being worse than that. The losses are taken over the last kept
 minibatches (all-rank means, by the caller).
 
 Costs: one copy of the weights and optimizer state, refreshed after every new best
-window while stale steps run (never in a synchronous run), and the kept minibatches (at most ``PreserverConfig.attribution_max_steps``);
+window while stale steps run (never in a synchronous run), and the kept minibatches
+(at most ``PreserverConfig.attribution_max_steps``);
 after a signal, per arm one more copy, one eager forward/backward per kept step
 and forwards to evaluate.
 """
@@ -47,7 +48,11 @@ _REPLAY_SEED = 0x5EED_2
 
 
 class Snapshot:
-    """Copies of a model's trained parameters, buffers and its optimizer's hyperparameters and state."""
+    """Copies of a model's trained parameters, buffers and its optimizer's hyperparameters and state.
+
+    The replay's optimizer is built fresh from its type, groups and state rather than deep-copied, so hooks a
+    user registered on the live optimizer (and whatever they reference) do not run in the replay.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]

@@ -471,8 +471,8 @@ class Preserver:
         dismiss the signal."""
         metrics = {**signal.metrics, "replay_stale_loss": stale_loss, "replay_synchronous_loss": sync_loss,
                    "replay_steps": steps}
-        worse = not math.isfinite(stale_loss) or (
-            stale_loss > sync_loss * (1 + self.config.loss_tolerance) and stale_loss - sync_loss > self.config.loss_floor)
+        tolerance, floor = self.config.loss_tolerance, self.config.loss_floor
+        worse = not math.isfinite(stale_loss) or (stale_loss > sync_loss * (1 + tolerance) and stale_loss - sync_loss > floor)
         comparison = f"paired replay of the {steps} steps since the best window: {stale_loss:.4g} with the " \
                      f"staleness that ran, {sync_loss:.4g} synchronous"
         if worse:

@@ -239,7 +239,8 @@ class CompiledStep:
         """Wall-clock seconds this step spent outside training steps proper: profiling and solving the first
         plan (``planning_seconds``), building step graphs (``graph_seconds``: tracing and passes, not the
         Inductor compile, which ``lowering.history`` reports), the Preserver's staleness measurements
-        (``probe_seconds``) and its paired replays of loss signals (``attribution_seconds``); with the counts of graphs built and of step traces."""
+        (``probe_seconds``) and its copies and paired replays for loss signals (``attribution_seconds``); with the
+        counts of graphs built and of step traces."""
         return {
             "planning_seconds": self._seconds["planning"],
             "graph_seconds": self._seconds["graphs"],
