@@ -359,15 +359,23 @@ class _ScheduleRewriter:
 
     def _this_step(self, carried: dict[str, fx.Node]) -> None:
         """This step's gradients: accumulate, launch (in issue order, per group FIFO) or carry out."""
+        # Per group: the ready point of the item launched last, and the node after which its emission ends. An
+        # item ready earlier than that point is issued right after that emission, so launches keep plan order:
+        # inserting it at ``anchor.next`` instead would put it before the previous item's nodes, and a run of
+        # items sharing one anchor (ByteScheduler's and US-Byte's priority order: input-side data, ready last,
+        # goes first) would be issued in reverse, the input side last.
         last_anchor: dict[str, fx.Node] = {}
+        last_emitted: dict[str, fx.Node] = {}
         for item in self.items:
             phase = self.phases[item.id]
             ready = max((self.markers[p].args[0] for p in item.params), key=self.order.__getitem__)
             anchor = ready
             launches = phase.communicate and item.apply != APPLY_NEXT_UPDATE
-            if launches and item.group_name in last_anchor and self.order[last_anchor[item.group_name]] > self.order[ready]:
+            if launches and item.group_name in last_anchor and self.order[last_anchor[item.group_name]] >= self.order[ready]:
                 anchor = last_anchor[item.group_name]
-            insert_at = anchor.next  # fixed now: anchor.next moves as nodes are inserted after the anchor
+                insert_at = last_emitted[item.group_name].next
+            else:
+                insert_at = anchor.next  # fixed now: anchor.next moves as nodes are inserted after the anchor
             persistent = (
                 launches and item.apply == APPLY_THIS_STEP and item.drop is None and not phase.accumulated_in
             )
@@ -378,7 +386,7 @@ class _ScheduleRewriter:
                 if item.drop is not None:
                     reduced, restore = self._send_chunks(item, local)
             if item.drop is not None:
-                last_anchor[item.group_name] = anchor
+                last_anchor[item.group_name], last_emitted[item.group_name] = anchor, insert_at.prev
                 point = self._first_update(item.params)
                 with self.graph.inserting_before(point):
                     averaged = restore(self.graph.call_function(WAIT, (reduced,)))
@@ -397,7 +405,7 @@ class _ScheduleRewriter:
                     self._carry_out[pending_key(item.id)] = flat
                     continue
                 reduced = self.graph.call_function(ALL_REDUCE_, (flat, "sum", item.group_name))
-            last_anchor[item.group_name] = anchor
+            last_anchor[item.group_name], last_emitted[item.group_name] = anchor, insert_at.prev
             if item.apply == APPLY_NEXT_FORWARD:
                 self._carry_out[pending_key(item.id)] = reduced
                 continue
