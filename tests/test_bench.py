@@ -154,6 +154,27 @@ def test_retraced_steps_left_out():
     assert rows["deft"]["step_ms"] == pytest.approx(12.0) and rows["deft"]["retraced_steps"] == 1
 
 
+def test_preserver_time_is_timed_apart_from_the_schedule():
+    """The simulator predicts the schedule; a step's Preserver probes are measured beside it, not hidden in it."""
+    from types import SimpleNamespace
+
+    from deft_compile.tools.bench import preserver_seconds
+
+    assert preserver_seconds(object()) == 0.0  # eager baselines have no overheads
+    step = SimpleNamespace(overheads={"probe_seconds": 0.25, "attribution_seconds": 0.5, "graph_seconds": 9.0})
+    assert preserver_seconds(step) == pytest.approx(0.75)  # graph building is not the Preserver's
+    value = {"samples_ms": {"floor": [10.0] * 4, "deft": [12.0, 40.0, 12.0, 12.0]},
+             "schedule_ms": {"floor": [10.0] * 4, "deft": [12.0, 12.0, 12.0, 12.0]},
+             "losses": {"floor": [1.0] * 4, "deft": [1.0] * 4}, "warmup_s": {"floor": 0.0, "deft": 0.0}}
+    rows = analyse(value, block=2)
+    assert rows["deft"]["step_ms"] == pytest.approx(19.0)  # median of the block means 26 and 12
+    assert rows["deft"]["schedule_ms"] == pytest.approx(12.0)
+    assert rows["deft"]["preserver_ms"] == pytest.approx(7.0)
+    assert rows["floor"]["preserver_ms"] == pytest.approx(0.0)
+    del value["schedule_ms"]  # results written before the column existed
+    assert analyse(value, block=2)["deft"]["schedule_ms"] is None
+
+
 def test_demo_says_unshaped_without_bandwidth():
     rate, note = choose_network(None)
     assert rate is None and "unshaped" in note

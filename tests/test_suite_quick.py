@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,3 +69,21 @@ def test_targets_are_checked_from_every_launch_and_never_counted_met_when_not_ru
     (partial,) = suite.check_targets([entry], emulated=True)
     assert not any("deft" in t["target"] or "usbyte" in t["target"] for t in partial["targets"])
     assert "| m | 100mbit (1.05) | wfbp <= 1.02x DDP |" in suite.targets_table([partial])
+
+
+def test_simulator_error_is_taken_on_the_schedule_and_names_the_preservers_share():
+    """The Preserver's probes are not the schedule the simulator predicts: the error is taken without them, and
+    the target's value says how large their share was and what the error would be with them."""
+    suite = _load_suite()
+    rows = {"floor": {"step_ms": 60.0}, "ddp": {"step_ms": 100.0, "paired_vs_ddp": 1.0},
+            "deft": {"step_ms": 100.0, "schedule_ms": 80.0, "preserver_ms": 20.0, "predicted_ms": 76.0,
+                     "paired_vs_ddp": 0.9}}
+    entry = {"model": "m", "rate": "1gbit", "coverage_target": 2.0, "coverage_measured": 2.0,
+             "aggregate": {"floor": {}, "ddp": {}, "deft": {}}, "runs": [{"rows": rows}]}
+    assert suite.simulator_errors(entry)["deft"] == pytest.approx(76.0 / 80.0 - 1)
+    assert suite.simulator_errors(entry, basis="step_ms")["deft"] == pytest.approx(-0.24)
+    (check,) = suite.check_targets([entry], emulated=False)
+    target = next(t for t in check["targets"] if t["target"] == "simulator within 20% (deft)")
+    assert target["met"] and target["value"] == "-5% (Preserver 20% of the step; -24% with it)"
+    del rows["deft"]["schedule_ms"], rows["deft"]["preserver_ms"]  # older results: the whole step
+    assert suite.simulator_errors(entry)["deft"] == pytest.approx(-0.24)

@@ -74,6 +74,16 @@ STAT_NOTE = (
 # --------------------------------------------------------------------------- worker
 
 
+def preserver_seconds(runner: Any) -> float:
+    """Seconds the Preserver of a ``deft_compile`` step has spent on its own measurements so far (staleness
+    probes, copies and paired replays; ``overheads``), 0 for a runner without one. The simulator models the
+    communication schedule, not these, so the bench times a step both with and without them."""
+    overheads = getattr(runner, "overheads", None)
+    if not overheads:
+        return 0.0
+    return float(overheads["probe_seconds"]) + float(overheads["attribution_seconds"])
+
+
 def eager_step(module: Any, optimizer: Any, loss_fn: Any):
     """An eager training step (zero_grad, loss, backward, step) returning the detached loss: the DDP and floor
     baselines of every benchmark. ``loss_fn(module(inputs), targets)``, or ``module(*args)`` without one."""
@@ -200,14 +210,20 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     counters = {name: 0 for name in runners}
     losses: dict[str, list[float]] = {name: [] for name in runners}
 
+    own_seconds: dict[str, float] = {name: 0.0 for name in runners}
+
     def call(name: str) -> tuple[float, bool]:
-        """Run one step of ``name``; (seconds, whether it captured a new graph: a retrace, e.g. after a re-plan)."""
+        """Run one step of ``name``; (seconds, whether it captured a new graph: a retrace, e.g. after a re-plan).
+        The Preserver's own time in the step (its staleness probes, copies and replays) goes to
+        ``own_seconds[name]``."""
         args, kwargs = pool[counters[name] % len(pool)]
         counters[name] += 1
         traces = getattr(runners[name], "trace_count", 0)
+        own = preserver_seconds(runners[name])
         started = time.perf_counter()
         loss = runners[name](*args, **kwargs)
         elapsed = time.perf_counter() - started
+        own_seconds[name] = preserver_seconds(runners[name]) - own
         losses[name].append(float(loss))
         if progress is not None:
             progress.update()
@@ -227,6 +243,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
 
     names = list(runners)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    schedule: dict[str, list[float]] = {name: [] for name in names}  # the same steps without the Preserver's time
     traced: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(cfg["rounds"]):
         shift = round_index % len(names)
@@ -238,6 +255,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
             for _ in range(cfg["block"]):
                 seconds, retraced = call(name)
                 samples[name].append(seconds * 1e3)
+                schedule[name].append((seconds - own_seconds[name]) * 1e3)
                 traced[name].append(1.0 if retraced else 0.0)
     if progress is not None:
         progress.close()
@@ -246,6 +264,9 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         times = torch.tensor(samples[name], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         samples[name] = times.tolist()
+        times = torch.tensor(schedule[name], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        schedule[name] = times.tolist()
         flags = torch.tensor(traced[name], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         traced[name] = [bool(f) for f in flags.tolist()]
@@ -281,7 +302,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         if rank == 0:
             measured = _wait_share(target)
 
-    result: dict[str, Any] = {"samples_ms": samples, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
+    result: dict[str, Any] = {"samples_ms": samples, "schedule_ms": schedule, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
                               "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff}
     if rank == 0:
         result.update(
@@ -419,6 +440,10 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
     retraced = value.get("retraced") or {n: [False] * len(s) for n, s in samples.items()}
     blocks = {n: [b for b in _blocks(s, retraced[n], block) if b] for n, s in samples.items()}
     step = {n: statistics.median([statistics.fmean(b) for b in bl]) for n, bl in blocks.items() if bl}
+    schedule_blocks = {n: [b for b in _blocks(s, retraced[n], block) if b]
+                       for n, s in (value.get("schedule_ms") or {}).items()}
+    schedule_step = {n: statistics.median([statistics.fmean(b) for b in bl])
+                     for n, bl in schedule_blocks.items() if bl}
     floor, ddp = step.get("floor"), step.get("ddp")
     rows: dict[str, dict[str, Any]] = {}
     for name, times in samples.items():
@@ -443,6 +468,10 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
             "warmup_s": value["warmup_s"][name],
             "timed_steps": len(times),
             "retraced_steps": sum(1 for r in retraced[name] if r),
+            # the same statistic without the Preserver's own measurements (probes, copies, replays): the time of
+            # the communication schedule, which is what the simulator predicts
+            "schedule_ms": schedule_step.get(name),
+            "preserver_ms": (step[name] - schedule_step[name]) if name in step and name in schedule_step else None,
         }
         if name in value.get("plans", {}):
             plan = Plan.from_json(value["plans"][name])
@@ -537,7 +566,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         "steps": {"warmup": warmup, "rounds": rounds, "block": block, "timed": rounds * block},
         "retraced": value["retraced"],
         "identical_ddp_wfbp": value["identical_ddp_wfbp"], "max_abs_diff_ddp_wfbp": value["max_abs_diff_ddp_wfbp"],
-        "rows": rows, "samples_ms": value["samples_ms"],
+        "rows": rows, "samples_ms": value["samples_ms"], "schedule_ms": value.get("schedule_ms"),
         "losses": value["losses"], "plans": value["plans"], "profiles": value["profiles"],
         "plan_history": value["plan_history"], "preserver": value["preserver"],
         "preserver_dismissed": value["preserver_dismissed"],
