@@ -57,3 +57,16 @@ def test_collectives_match_the_plan_on_both_ranks(policy_report):
         assert steady.count("all_reduce") == rank_report["items"]
         assert steady.count("wait_tensor") == steady.count("all_reduce") + steady.count("broadcast")
     assert per_rank[0]["steps"][-1]["collectives"] == per_rank[1]["steps"][-1]["collectives"]
+
+
+def test_buffer_broadcast_runs_beside_the_all_reduces_not_behind_them(policy_report):
+    """BatchNorm's broadcast goes on a group of its own: all-reduces carried over from the previous step are
+    queued on the data-parallel group when the step starts, and the forward waits for the broadcast."""
+    _policy, case, per_rank = policy_report
+    for report in per_rank:
+        groups = report["groups"]
+        assert groups["all_reduce"], case
+        if report["has_buffers"]:
+            assert len(groups["broadcast"]) == 1 and not set(groups["broadcast"]) & set(groups["all_reduce"]), groups
+        else:
+            assert not groups["broadcast"], groups

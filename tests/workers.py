@@ -241,6 +241,18 @@ def _graph_collectives(step) -> list[str]:
     return [name.rstrip("_") for name in re.findall(r"_c10d_functional\.(all_reduce_?|wait_tensor|broadcast_?)\.default\(", code)]
 
 
+def _collective_groups(step) -> dict[str, list[str]]:
+    """The process groups the step graph's all-reduces and broadcasts run on (matched by op overload)."""
+    c10d = torch.ops._c10d_functional
+    kinds = {c10d.all_reduce.default: "all_reduce", c10d.all_reduce_.default: "all_reduce",
+             c10d.broadcast.default: "broadcast", c10d.broadcast_.default: "broadcast"}
+    groups: dict[str, set[str]] = {"all_reduce": set(), "broadcast": set()}
+    for node in step.graph.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target in kinds:
+            groups[kinds[node.target]].add(node.args[2])
+    return {kind: sorted(names) for kind, names in groups.items()}
+
+
 def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
                             max_grad_norm: float | None = None) -> dict:
     """A timing-only policy must give DDP's numbers. Parameters whose update the plan defers to
@@ -272,10 +284,12 @@ def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, p
         entry = _compare(_named_state(deft_model, deft_optimizer), expected)
         entry.update(step=t, deferred=len(deferred), collectives=_graph_collectives(step))
         report.append(entry)
+    groups = _collective_groups(step)  # the steady-state graph's, before the flush graph replaces it
     step.flush()
     final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
     return {"steps": report, "final": final, "items": len(step.plan.items), "pending_after_flush": step.pending,
-            "plan_hash": step.plan.hash(), "traces": step.trace_count}
+            "plan_hash": step.plan.hash(), "traces": step.trace_count, "groups": groups,
+            "has_buffers": any(b.numel() for b in deft_model.buffers())}
 
 
 def _delayed_names(step) -> set[str]:

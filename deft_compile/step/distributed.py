@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -27,6 +28,31 @@ def resolve_group(process_group: dist.ProcessGroup | None) -> tuple[CommGroup | 
     if world_size == 1:
         return None, None
     return CommGroup(name=group.group_name, rank=dist.get_rank(group), world_size=world_size), group
+
+
+def group_timeout(group: dist.ProcessGroup, default: timedelta = timedelta(seconds=60)) -> timedelta:
+    """The collective timeout ``group`` was created with, so groups we open beside it fail as fast as it does.
+
+    torch keeps it only on the backend's options (``new_group`` without a timeout would give gloo's 30 minutes,
+    and a dead peer would hang a broadcast that long); ``default`` where the backend does not say."""
+    try:
+        backend = group._get_backend(torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return default
+
+
+def open_buffer_group(group: dist.ProcessGroup) -> CommGroup:
+    """A second process group over ``group``'s ranks and backend, for the per-step buffer broadcast alone.
+
+    Why: a backend runs one group's collectives in order. Under ByteScheduler, US-Byte or a delayed plan,
+    all-reduces of the previous step are still in flight when the next step starts, and the buffer broadcast
+    (waited before the forward) would queue behind all of them: the next forward could not start until every
+    carried gradient had arrived, which is exactly the overlap those plans are for. On its own group the
+    broadcast only shares the link's bandwidth. A collective call on every rank of ``group``."""
+    ranks = dist.get_process_group_ranks(group)
+    buffers = dist.new_group(ranks=ranks, backend=dist.get_backend(group), timeout=group_timeout(group))
+    return CommGroup(name=buffers.group_name, rank=dist.get_rank(buffers), world_size=dist.get_world_size(buffers))
 
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:

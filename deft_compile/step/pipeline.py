@@ -79,8 +79,11 @@ def build_passes(
     phases: dict[int, ItemPhase] | None = None,
     flush: bool = False,
     guards: GuardOptions | None = None,
+    buffer_group: CommGroup | None = None,
 ) -> list[tuple[str, Pass]]:
     """The ordered passes; no collectives when ``group`` is None or has one rank (one process).
+
+    ``buffer_group``: the group the buffer broadcast runs on (``open_buffer_group``); ``group`` when None.
 
     ``items`` on a one-process group (``LOCAL_GROUP``, or a one-rank group such as DS-Sync's
     solo groups) with an update period (gradient accumulation) still go through ``schedule``,
@@ -95,12 +98,15 @@ def build_passes(
     if group is not None and group.world_size > 1:
         passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
         # After the schedule, so the broadcast goes before everything the schedule put at the start of the step:
-        # gloo runs a group's collectives in order, and a delayed bucket's all-reduce launched there first would
-        # hold the broadcast (waited at once, before the forward) until the whole bucket is through.
+        # a backend runs a group's collectives in order, and on a shared group a delayed bucket's all-reduce
+        # launched there first would hold the broadcast (waited at once, before the forward) until the whole
+        # bucket is through. All-reduces carried over from the previous step (ByteScheduler, US-Byte) are
+        # already queued when the step starts: only a group of its own keeps the broadcast out of their queue.
         if config.broadcast_buffers and captured.num_buffers and not flush:
             positions = list(range(captured.num_params, captured.num_params + captured.num_buffers))
+            name = (buffer_group or group).name
             passes.append(
-                ("broadcast_buffers", functools.partial(insert_buffer_broadcast, buffer_positions=positions, group_name=group.name))
+                ("broadcast_buffers", functools.partial(insert_buffer_broadcast, buffer_positions=positions, group_name=name))
             )
     elif any(item.period > 1 for item in items):  # one process, accumulating: sum across calls, no collectives
         local = frozenset(item.group_name for item in items if item.world_size == 1)
@@ -130,7 +136,9 @@ def compile_captured(
     phases: dict[int, ItemPhase] | None = None,
     flush: bool = False,
     guards: GuardOptions | None = None,
+    buffer_group: CommGroup | None = None,
 ) -> CompiledGraph:
-    passes = build_passes(captured, items, group, config, phases=phases, flush=flush, guards=guards)
+    passes = build_passes(captured, items, group, config, phases=phases, flush=flush, guards=guards,
+                          buffer_group=buffer_group)
     gm = run_passes(captured.graph_module, passes, dumper)
     return CompiledGraph(captured=captured, graph_module=gm, items=items, phases=dict(phases or {}), flush=flush)

@@ -31,6 +31,8 @@ from deft_compile.config import DeftConfig
 from deft_compile.step.distributed import (
     average_parameters_and_state,
     broadcast_from_rank0,
+    group_timeout,
+    open_buffer_group,
     check_same_across_ranks,
     diagnose_peer_failure,
     model_fingerprint,
@@ -121,6 +123,7 @@ class CompiledStep:
         self.last_trace_seconds = 0.0
         self._seconds = {"planning": 0.0, "graphs": 0.0}
         self._links: list[tuple[str, dist.ProcessGroup]] = []
+        self._buffer_group: CommGroup | None = None  # the buffer broadcast's own group (open_buffer_group)
         # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
         # communicates), so it stays off there (docs/API.md).
         self._profile_given = profile is not None  # the user's plan: no closed loop, no synchronous start
@@ -132,8 +135,12 @@ class CompiledStep:
                 self._check_model_across_ranks()
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self._process_group)
             self._links = [("default", self._process_group)] + [
-                (spec, open_link(spec, ranks=dist.get_process_group_ranks(self._process_group))) for spec in config.links
+                (spec, open_link(spec, ranks=dist.get_process_group_ranks(self._process_group),
+                                 timeout=group_timeout(self._process_group)))
+                for spec in config.links
             ]
+            if config.broadcast_buffers and any(buffer.numel() for buffer in model.buffers()):
+                self._buffer_group = open_buffer_group(self._process_group)
         elif config.links:
             log.warning("DeftConfig.links is ignored: training is local (no process group or world size 1)")
 
@@ -424,8 +431,12 @@ class CompiledStep:
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
         group = self._step_group or self.comm_group
+        # A policy's own step group (DS-Sync) broadcasts within that group, as before; otherwise the buffers go on
+        # their own group, beside the all-reduces still in flight from the previous step.
+        buffer_group = self._buffer_group if self._step_group is None else None
         guards = guard_options_for(self.config.max_grad_norm, self.config.norm_type, self.loss_scaler)
-        compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush, guards=guards)
+        compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush,
+                                    guards=guards, buffer_group=buffer_group)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
         self._seconds["graphs"] += self.last_trace_seconds
