@@ -12,11 +12,11 @@ from deft_compile.planner.solvers import solve
 from deft_compile.step.closed_loop import refine_scales, scaled_profile
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
-from workers import closed_loop_run
+from workers import check_entry, closed_loop_run
 
 
 def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (1000.0, 24), timeout_s=240)]
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (1000.0, 36), timeout_s=240)]
     for report in results:
         assert report["initial_delayed"] > 0, "the initial plan must delay buckets for the test to mean anything"
         assert report["state"] == "settled"
@@ -25,7 +25,9 @@ def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
         assert any("synchronous candidate" in r for r in reasons), reasons
         assert "fastest measured plan" in reasons[-1], reasons
         measured = report["history"][-1]["closed_loop"]["candidates"]
-        assert len(measured) == 2 and all(m["measured_ms"] > 0 for m in measured.values())
+        # the initial plan, the synchronous candidate and the priority one (ByteScheduler's or US-Byte's)
+        assert len(measured) == 3 and all(m["measured_ms"] > 0 for m in measured.values())
+        assert any("synchronous priority candidate" in r for r in reasons), reasons
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
     assert results[0]["history"] == results[1]["history"] or [h["plan_hash"] for h in results[0]["history"]] == [
         h["plan_hash"] for h in results[1]["history"]
@@ -33,7 +35,7 @@ def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
 
 
 def test_keeps_the_delaying_plan_when_it_measures_faster():
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (-1000.0, 30), timeout_s=240)]
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (-1000.0, 42), timeout_s=240)]
     for report in results:
         assert report["state"] == "settled" and report["final_delayed"] > 0, report["history"]
         duel = report["history"][-1]["closed_loop"]["duel"]
@@ -80,6 +82,25 @@ def test_a_later_replan_that_measures_slower_goes_back_to_synchronous():
         assert report["state"] == "settled" and report["final_delayed"] == 0, report["reasons"]
         assert report["synchronous_only"]
         assert any("synchronous plan won the duel" in r for r in report["reasons"][-1:]), report["reasons"]
+
+
+def test_a_synchronous_deft_step_measures_and_keeps_a_faster_priority_plan():
+    """The closed loop of a deft step also measures ByteScheduler's or US-Byte's plan (DDP's numbers, waits in
+    the next forward), keeps it when it measures fastest, and runs it instead of a later synchronous re-plan.
+    Numbers stay DDP's at every step and after the flush."""
+    from workers import closed_loop_priority_run
+
+    results = [r.value for r in run_local_workers(closed_loop_priority_run, 2, (16, 11), timeout_s=240)]
+    for rank, report in enumerate(results):
+        reasons = report["reasons"]
+        assert any("synchronous priority candidate" in r for r in reasons), reasons
+        assert report["replanned"] == "deft", "the re-plan must be DDP's buckets for the test to mean anything"
+        assert any("fastest measured synchronous plan runs instead" in r for r in reasons), reasons
+        assert report["final_policy"] in ("bytescheduler", "usbyte"), reasons
+        for entry in report["steps"]:
+            check_entry(entry, True, f"rank {rank} step {entry['step']} ({entry['policy']}, {entry['state']})")
+        check_entry(report["final"], True, f"rank {rank} after flush")
+    assert results[0]["reasons"] == results[1]["reasons"]
 
 
 def test_periodic_plans_are_timed_over_whole_cycles():

@@ -794,6 +794,55 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
             "history": [{k: v for k, v in h.items()} for h in step.plan_history]}
 
 
+def closed_loop_priority_run(rank: int, world_size: int, steps: int, replan_at: int) -> dict:
+    """deft kept synchronous (``max_staleness=0``, no Preserver) with the closed loop on: it must also measure a
+    priority plan (ByteScheduler's or US-Byte's), settle on it when it measures fastest (``inject`` makes it so),
+    and run it instead of a synchronous re-plan made at step ``replan_at``. Every step is compared with torch DDP
+    (parameters whose update moved to the next forward with DDP's previous step), and after ``flush()`` all."""
+    from deft_compile.step.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
+    from deft_compile.preserver import PreserverConfig
+
+    case = "mlp_dropout_sgd"
+    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    config = DeftConfig(plan_options={"max_staleness": 0}, preserver=PreserverConfig(enabled=False),
+                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=1, measure_steps=2, duel_rounds=2,
+                                                     duel_steps=1))
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile, config=config)
+    step.closed_loop.inject = lambda plan: -1000.0 if plan.policy in PRIORITY_POLICIES else 0.0
+    report, replanned = [], None
+    for t, (inputs, targets) in enumerate(batches):
+        if t == replan_at:  # a synchronous re-plan by someone else (as the Preserver makes them): DDP's buckets
+            step.switch_plan({"max_staleness": 0}, "test: a synchronous re-plan")
+            replanned = step.plan.policy
+        before = _snapshot(ddp_model, ddp_optimizer)
+        torch.manual_seed(100 * rank + t)
+        ddp_optimizer.zero_grad(set_to_none=True)
+        loss_fn(ddp(inputs), targets).backward()
+        ddp_optimizer.step()
+        after = _named_state(ddp_model, ddp_optimizer)
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        deferred = _pending_param_names(step)
+        expected = {k: (before if _owner(k) in deferred else after)[k] for k in after.keys() | before.keys()
+                    if k in (before if _owner(k) in deferred else after)}
+        # A deferred parameter's .grad is not state: after a plan switch (which flushes) the first step of a
+        # per-layer plan has none yet, while DDP's previous step left one. Parameters and optimizer state count.
+        expected = {k: v for k, v in expected.items() if not (k.startswith("grad:") and _owner(k) in deferred)}
+        state = {k: v for k, v in _named_state(deft_model, deft_optimizer).items()
+                 if not (k.startswith("grad:") and _owner(k) in deferred)}
+        entry = _compare(state, expected)
+        entry.update(step=t, policy=step.plan.policy, state=step.closed_loop.state)
+        report.append(entry)
+    step.flush()
+    final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+    return {"steps": report, "final": final, "replanned": replanned,
+            "reasons": [h["reason"] for h in step.plan_history], "final_policy": step.plan.policy}
+
+
 def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
     """deft settles on its delaying plan (measured faster than the synchronous one), then another re-plan (as the
     Preserver makes them, through ``switch_plan``) adopts a different delaying plan that measures 1 s slower: the

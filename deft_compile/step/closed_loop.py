@@ -82,6 +82,13 @@ class ClosedLoopConfig:
             period), after one unmeasured step following the switch.
         duel_margin: no duel when the sequential measurements put the plan with
             delays this fraction or more above the synchronous one.
+        priority_candidate: for ``policy="deft"``, also measure the priority plan
+            (``PRIORITY_POLICIES``: ByteScheduler's or US-Byte's, whichever the
+            simulator predicts faster) as a synchronous candidate. It gives DDP's
+            numbers and overlaps communication with the next forward; the faster
+            measured synchronous plan is the one delays must beat, and the one a
+            synchronous re-plan runs. Not with loss scaling (its skipped updates
+            are not tested with per-layer updates).
     """
 
     enabled: bool | None = None
@@ -92,6 +99,7 @@ class ClosedLoopConfig:
     duel_rounds: int = 4
     duel_steps: int = 3
     duel_margin: float = 0.25
+    priority_candidate: bool = True
 
     def active_for(self, policy: str, profile_given: bool = False) -> bool:
         return self.enabled if self.enabled is not None else (policy == "deft" and not profile_given)
@@ -174,7 +182,12 @@ def plan_step_ms(times_ms: list[float], period: int, cold: list[bool] | None = N
     return statistics.median(sum(cycle) / period for cycle in (warm or cycles))
 
 
+#: Plans with DDP's numbers whose waits and updates move to the next forward, input side first (docs/POLICIES.md).
+PRIORITY_POLICIES = ("bytescheduler", "usbyte")
+
+
 def _is_synchronous(plan) -> bool:
+    """No delays, no update periods, one link: DDP's numbers, whatever the schedule (wfbp, ByteScheduler, US-Byte)."""
     return all(item.delay == 0 and item.period == 1 and item.link == 0 for item in plan.items)
 
 
@@ -229,6 +242,7 @@ class ClosedLoop:
         self._times: list[float] = []
         self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
         self._refined = False
+        self._initial = None  # the plan measured first: the refined re-plan solves with its options
         self.gap = 0.0
 
     # -- hooks called by CompiledStep -------------------------------------------------
@@ -286,9 +300,14 @@ class ClosedLoop:
         predicted = float(plan.predicted_iteration_ms or 0.0)
         self.gap = abs(measured - predicted) / measured if measured > 0 else 0.0
         self._note(step, "closed loop: measured the initial plan", plan, measured, predicted, gap=self.gap)
+        self._initial = plan
         self._queue = []
         if not _is_synchronous(plan):
             self._queue.append((self._synchronous_plan(step), "synchronous candidate"))
+        if self.config.priority_candidate and step.policy == "deft" and step.loss_scaler is None:
+            priority = self._priority_plan(step)
+            if priority is not None:
+                self._queue.append((priority, "synchronous priority candidate"))
         self._queue = [(p, why) for p, why in self._queue if p.hash() not in self.measured]
         self.state = "trial"
         self._next_trial(step)
@@ -301,6 +320,25 @@ class ClosedLoop:
 
         options = {k: v for k, v in step.plan.options.items() if k in ("first_bucket_bytes", "bucket_cap_bytes")}
         return solve(step.profile, "wfbp", **options)
+
+    def _priority_plan(self, step):
+        """ByteScheduler's or US-Byte's plan on the step's profile, whichever the simulator predicts faster.
+
+        Why a deft step tries them: a synchronous plan that waits at the end of backward exposes the input-side
+        gradients' communication every step (DESIGN.md §1). These plans send the input side first and wait for
+        each layer's gradients just before that layer's forward in the next step: no staleness, DDP's numbers,
+        part of the communication hidden behind the next forward. Where the Preserver finds staleness too
+        costly, this is what is left to gain (measured: 0.82-0.90x DDP on the suite's CNNs in emulation)."""
+        from deft_compile.planner.solvers import solve
+        from deft_compile.planner.stability import predicted_ms
+
+        plans = []
+        for policy in PRIORITY_POLICIES:
+            try:
+                plans.append(solve(step.profile, policy))
+            except ValueError as exc:  # a profile that solver cannot plan: measure the others
+                log.warning("closed loop: no %s candidate: %s", policy, exc)
+        return min(plans, key=lambda plan: predicted_ms(step.profile, plan)) if plans else None
 
     def _refined_plan(self, step):
         """Scale the profile so the simulator reproduces the measured plan, re-solve with hysteresis."""
@@ -328,10 +366,12 @@ class ClosedLoop:
             a, b, error = refine_scales(measured, simulate_ms)
         self.scales = (a, b)
         step.profile = scaled_profile(base, a, b)
-        options = dict(step.plan.options)
-        refined = solve_stable(step.profile, step.policy, incumbent=step.plan, **options)
+        # The initial plan's options, not the last trial's: that may be the synchronous candidate (solved with
+        # max_staleness=0) or a priority plan (another solver's options).
+        initial = self._initial or step.plan
+        refined = solve_stable(step.profile, step.policy, incumbent=initial, **dict(initial.options))
         log.info("closed loop: refined profile (compute x%.2f, link x%.2f, fit error %.1f%%)", a, b, 100 * error)
-        if refined.hash() == step.plan.hash():
+        if refined.hash() in (initial.hash(), step.plan.hash()):
             return None
         return refined
 
@@ -385,9 +425,18 @@ class ClosedLoop:
         """Someone else switched after settling: measured before means decided at once, else a duel."""
         plan = step.plan
         synchronous = [(p, ms) for p, ms in self.measured.values() if _is_synchronous(p)]
-        if _is_synchronous(plan) or not synchronous:
+        if not synchronous:
             return
         sync_plan, sync_ms = min(synchronous, key=lambda e: e[1])
+        if _is_synchronous(plan):
+            # Every synchronous plan gives DDP's numbers: run the fastest one measured (a priority plan, say,
+            # when the Preserver steps back to synchronous and the solver answers with DDP's buckets).
+            known = self.measured.get(plan.hash())
+            if sync_plan.hash() != plan.hash() and (known is None or sync_ms < known[1] * (1.0 - self.config.min_gain)):
+                self._settle(step, sync_plan, sync_ms, "synchronous re-plan: the fastest measured synchronous plan "
+                             "runs instead (same numbers)",
+                             replaced={"plan_hash": plan.hash(), "measured_ms": known[1] if known else None})
+            return
         known = self.measured.get(plan.hash())
         if known is None and self.config.duel_rounds > 0:
             self._start_duel(step, plan, sync_plan, "re-plan")
