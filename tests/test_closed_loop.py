@@ -25,8 +25,9 @@ def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
         assert any("synchronous candidate" in r for r in reasons), reasons
         assert "fastest measured plan" in reasons[-1], reasons
         measured = report["history"][-1]["closed_loop"]["candidates"]
-        # the initial plan, the synchronous candidate and the priority one (ByteScheduler's or US-Byte's)
-        assert len(measured) == 3 and all(m["measured_ms"] > 0 for m in measured.values())
+        # the initial plan, the synchronous candidate and the priority one (ByteScheduler's or US-Byte's); and the
+        # plan re-solved on a refined profile when the first measurement missed its prediction by > tolerance
+        assert len(measured) in (3, 4) and all(m["measured_ms"] > 0 for m in measured.values())
         assert any("synchronous priority candidate" in r for r in reasons), reasons
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
     assert results[0]["history"] == results[1]["history"] or [h["plan_hash"] for h in results[0]["history"]] == [
