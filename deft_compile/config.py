@@ -24,7 +24,9 @@ class DeftConfig(BucketSizes):
         first_bucket_mb: size cap of the first bucket, small so communication
             starts early in backward (DDP uses 1 MiB).
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm running stats)
-            before every forward, as DDP does by default.
+            before every forward, as DDP does by default. The broadcast runs on
+            a process group of its own (same ranks and backend), so it does not
+            queue behind all-reduces still in flight from the previous step.
         check_consistency: before the first step, compare parameter names,
             shapes, dtypes and the captured graph across ranks and raise
             ``ModelMismatchError`` if they differ.
