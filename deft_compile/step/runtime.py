@@ -31,11 +31,11 @@ from deft_compile.config import DeftConfig
 from deft_compile.step.distributed import (
     average_parameters_and_state,
     broadcast_from_rank0,
-    group_timeout,
-    open_buffer_group,
     check_same_across_ranks,
     diagnose_peer_failure,
+    group_timeout,
     model_fingerprint,
+    open_buffer_group,
     resolve_group,
 )
 from deft_compile.debug.dump import GraphDumper
