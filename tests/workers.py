@@ -253,6 +253,32 @@ def _collective_groups(step) -> dict[str, list[str]]:
     return {kind: sorted(names) for kind, names in groups.items()}
 
 
+def _step_beside_ddp(step, rank: int, t: int, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer, deft_model,
+                     deft_optimizer, *, max_grad_norm: float | None = None, deferred_grads: bool = True):
+    """One DDP step and one ``step`` call on the same batch and dropout seed; the comparison entry and the
+    parameters whose update the plan deferred to the next forward (compared with DDP's previous step).
+    ``deferred_grads=False`` leaves those parameters' ``.grad`` out of the comparison."""
+    before = _snapshot(ddp_model, ddp_optimizer)
+    torch.manual_seed(100 * rank + t)
+    ddp_optimizer.zero_grad(set_to_none=True)
+    loss_fn(ddp(inputs), targets).backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_grad_norm)
+    ddp_optimizer.step()
+    after = _named_state(ddp_model, ddp_optimizer)
+    torch.manual_seed(100 * rank + t)
+    step(inputs, targets)
+    deferred = _pending_param_names(step)
+    expected = {k: (before if _owner(k) in deferred else after)[k] for k in after.keys() | before.keys()
+                if k in (before if _owner(k) in deferred else after)}
+    state = _named_state(deft_model, deft_optimizer)
+    if not deferred_grads:
+        kept = lambda k: not (k.startswith("grad:") and _owner(k) in deferred)  # noqa: E731
+        expected = {k: v for k, v in expected.items() if kept(k)}
+        state = {k: v for k, v in state.items() if kept(k)}
+    return _compare(state, expected), deferred
+
+
 def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
                             max_grad_norm: float | None = None) -> dict:
     """A timing-only policy must give DDP's numbers. Parameters whose update the plan defers to
@@ -268,20 +294,8 @@ def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, p
                         config=DeftConfig(plan_options=POLICY_OPTIONS[policy], max_grad_norm=max_grad_norm))
     report = []
     for t, (inputs, targets) in enumerate(batches):
-        before = _snapshot(ddp_model, ddp_optimizer)
-        torch.manual_seed(100 * rank + t)
-        ddp_optimizer.zero_grad(set_to_none=True)
-        loss_fn(ddp(inputs), targets).backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_grad_norm)
-        ddp_optimizer.step()
-        after = _named_state(ddp_model, ddp_optimizer)
-        torch.manual_seed(100 * rank + t)
-        step(inputs, targets)
-        deferred = _pending_param_names(step)
-        expected = {k: (before if _owner(k) in deferred else after)[k] for k in after.keys() | before.keys()
-                    if k in (before if _owner(k) in deferred else after)}
-        entry = _compare(_named_state(deft_model, deft_optimizer), expected)
+        entry, deferred = _step_beside_ddp(step, rank, t, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer,
+                                           deft_model, deft_optimizer, max_grad_norm=max_grad_norm)
         entry.update(step=t, deferred=len(deferred), collectives=_graph_collectives(step))
         report.append(entry)
     groups = _collective_groups(step)  # the steady-state graph's, before the flush graph replaces it
@@ -818,23 +832,10 @@ def closed_loop_priority_run(rank: int, world_size: int, steps: int, replan_at: 
         if t == replan_at:  # a synchronous re-plan by someone else (as the Preserver makes them): DDP's buckets
             step.switch_plan({"max_staleness": 0}, "test: a synchronous re-plan")
             replanned = step.plan.policy
-        before = _snapshot(ddp_model, ddp_optimizer)
-        torch.manual_seed(100 * rank + t)
-        ddp_optimizer.zero_grad(set_to_none=True)
-        loss_fn(ddp(inputs), targets).backward()
-        ddp_optimizer.step()
-        after = _named_state(ddp_model, ddp_optimizer)
-        torch.manual_seed(100 * rank + t)
-        step(inputs, targets)
-        deferred = _pending_param_names(step)
-        expected = {k: (before if _owner(k) in deferred else after)[k] for k in after.keys() | before.keys()
-                    if k in (before if _owner(k) in deferred else after)}
         # A deferred parameter's .grad is not state: after a plan switch (which flushes) the first step of a
         # per-layer plan has none yet, while DDP's previous step left one. Parameters and optimizer state count.
-        expected = {k: v for k, v in expected.items() if not (k.startswith("grad:") and _owner(k) in deferred)}
-        state = {k: v for k, v in _named_state(deft_model, deft_optimizer).items()
-                 if not (k.startswith("grad:") and _owner(k) in deferred)}
-        entry = _compare(state, expected)
+        entry, _ = _step_beside_ddp(step, rank, t, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer,
+                                    deft_model, deft_optimizer, deferred_grads=False)
         entry.update(step=t, policy=step.plan.policy, state=step.closed_loop.state)
         report.append(entry)
     step.flush()
