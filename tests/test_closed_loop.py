@@ -85,6 +85,20 @@ def test_a_later_replan_that_measures_slower_goes_back_to_synchronous():
         assert any("synchronous plan won the duel" in r for r in report["reasons"][-1:]), report["reasons"]
 
 
+def test_delays_are_dueled_against_ddps_buckets_not_against_a_priority_plan():
+    """A priority plan measured fastest of all does not decide whether delays stay (the closed loop measured such
+    plans faster than the benchmark's interleaved rounds did): the plan with delays, faster than DDP's buckets,
+    wins its duel against them and is kept."""
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (-300.0, 50, 0.0, 2, -1000.0), timeout_s=240)]
+    for report in results:
+        assert report["state"] == "settled" and report["final_delayed"] > 0, report["history"]
+        reasons = [h["reason"] for h in report["history"]]
+        assert any("synchronous priority candidate" in r for r in reasons), reasons
+        duel = report["history"][-1]["closed_loop"]["duel"]
+        assert duel["median_ratio"] < 1.0, duel
+    assert results[0]["plan_hash"] == results[1]["plan_hash"]
+
+
 def test_a_synchronous_deft_step_measures_and_keeps_a_faster_priority_plan():
     """The closed loop of a deft step also measures ByteScheduler's or US-Byte's plan (DDP's numbers, waits in
     the next forward), keeps it when it measures fastest, and runs it instead of a later synchronous re-plan.
