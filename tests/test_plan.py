@@ -88,6 +88,20 @@ def test_hash_covers_decisions_not_predictions() -> None:
     assert len(plan.hash()) == 64
 
 
+def test_hash_is_computed_once_and_anew_for_new_items_or_options() -> None:
+    """The running step asks for its plan's hash on every call: it is cached, but a plan given another item list
+    or other options is hashed from them."""
+    plan = small_plan()
+    first = plan.hash()
+    assert plan.hash() is first  # the cached digest, not a recomputation
+    plan.items = [dataclasses.replace(plan.items[0], link=0), *plan.items[1:]]
+    assert plan.hash() != first
+    plan.items = list(small_plan().items)
+    assert plan.hash() == first
+    plan.options = {**plan.options, "extra": 1}
+    assert plan.hash() != first
+
+
 def test_hash_is_identical_in_another_process() -> None:
     plan = small_plan()
     code = ("import sys; from deft_compile.planner.plan import Plan; "

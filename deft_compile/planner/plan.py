@@ -386,7 +386,9 @@ class Plan:
     ``options`` are the solver options used (after tuning), ``metadata`` holds
     solver diagnostics (search results, coverage rate); neither changes what
     the passes do. ``predicted_iteration_ms`` is the simulator's estimate.
-    Only ``policy``, ``items`` and ``options`` enter ``hash()``.
+    Only ``policy``, ``items`` and ``options`` enter ``hash()``. A plan is a value: nothing changes its items or
+    options after construction (``dataclasses.replace`` makes a new one), so ``hash()`` is computed once; the
+    running step asks for it on every call.
     """
 
     policy: str
@@ -429,11 +431,19 @@ class Plan:
         Sorted keys, no whitespace, floats as ``float.hex`` so two processes
         on two machines get the same digest for the same plan.
         """
+        # the cache is checked against the objects it was computed from: a plan rebuilt field by field, or
+        # given a new item list or options, is hashed anew
+        identity = (self.policy, id(self.items), len(self.items), id(self.options), len(self.options))
+        cached = self.__dict__.get("_hash_cache")
+        if cached is not None and cached[0] == identity:
+            return cached[1]
         decision = {"policy": self.policy, "items": [item.to_dict() for item in self.items],
                     "options": self.options}
         text = json.dumps(_hashable_json(decision), sort_keys=True, separators=(",", ":"),
                           ensure_ascii=True)
-        return hashlib.sha256(text.encode("ascii")).hexdigest()
+        digest = hashlib.sha256(text.encode("ascii")).hexdigest()
+        self.__dict__["_hash_cache"] = (identity, digest)
+        return digest
 
     # -- queries for the passes ------------------------------------------------------
     def items_on_link(self, link: int) -> list[CommItem]:
