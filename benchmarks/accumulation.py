@@ -34,6 +34,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.nn as nn
 
     from deft_compile import DeftConfig, deft_compile
+    from deft_compile.step.distributed import new_group
     from deft_compile.preserver import PreserverConfig
     from deft_compile.tools.bench_models import resolve_model
 
@@ -44,7 +45,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     batch = cfg["batch"] or preset.default_batch
     pool = [preset.batch(batch, torch.Generator().manual_seed(1000 * (rank + 1) + i)) for i in range(4)]  # (args, kwargs)
     steps = cfg["accumulation"]
-    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    solo = [new_group(ranks=[r]) for r in range(world_size)][rank]
     runners = {}
     steps_of = {}
     for name in VARIANTS:

@@ -332,9 +332,10 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
     from policies import _ForeignLoad, make_optimizer, vgg_setup
 
     from deft_compile.debug.artifacts import plan_cycle
+    from deft_compile.step.distributed import new_group
 
     base, inputs, targets, total_bytes = vgg_setup(rank, cfg)
-    solo = [dist.new_group([r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes every one
+    solo = [new_group(ranks=[r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes every one
 
     # The link before training: an all-reduce of every gradient over all 4 ranks, and over DS-Sync's pairs with both
     # pairs at once (a world barrier before each repeat), each the slowest rank's median.
@@ -342,7 +343,7 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
     for groups in sorted({tuple(dssync_partition(world_size, cfg["group_size"], t, seed=0)) for t in range(16)}):
         for g in groups:
             if g not in pairs:
-                pairs[g] = dist.new_group(list(g))
+                pairs[g] = new_group(ranks=list(g))
     mine = next(pairs[g] for g in dssync_partition(world_size, cfg["group_size"], 0, seed=0) if rank in g)
     link: dict[str, Any] = {"allreduce_all_ms": _allreduce_ms(None, total_bytes, cfg["link_repeats"]),
                             "pair_allreduce_all_ms": _allreduce_ms(mine, total_bytes, cfg["link_repeats"])}

@@ -51,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deft_compile import DeftConfig, deft_compile
+from deft_compile.step.distributed import new_group
 from deft_compile.tools.bench import eager_step, quantile
 from deft_compile.tools.launcher import run_local_workers
 from deft_compile.tools.netns import ShapedLoopback, check_prerequisites
@@ -140,7 +141,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
         _renice(cfg["nice"])
     base, inputs, targets, total_bytes = vgg_setup(rank, cfg)
     # Every rank creates every one-rank group (new_group is collective); each uses its own.
-    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    solo = [new_group(ranks=[r]) for r in range(world_size)][rank]
 
     # The link, before any training: an all-reduce of all gradients as one flat tensor, and a fit.
     flat = measure_allreduce(None, [total_bytes], repeats=cfg["link_repeats"], warmup=1)[0][1]

@@ -12,7 +12,7 @@ from deft_compile.planner.solvers import solve
 from deft_compile.step.closed_loop import refine_scales, scaled_profile
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
-from workers import check_entry, closed_loop_run
+from workers import check_entry, closed_loop_run, control_group_run
 
 
 def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
@@ -164,3 +164,15 @@ def test_the_runtime_marks_steps_that_compile_for_the_closed_loop():
         step(x, y)
         counts.append(step.lowering.cold_runs)
     assert counts == [1, 2, 2], counts
+
+
+def test_the_preserver_and_the_closed_loop_agree_on_a_group_beside_the_gradients():
+    """Their loss and timing all-reduces run after the step, when a delayed or priority plan still has gradient
+    all-reduces in flight on the data-parallel group. There they would wait behind them (gloo works through a
+    group's queue in order, two at a time), exposing that step's carried communication in full and moving its wait out
+    of the step the closed loop times. They run on the step's control group, where a small all-reduce returns
+    while large ones are still running on the data-parallel group."""
+    for report in (r.value for r in run_local_workers(control_group_run, 2, (12,), timeout_s=240)):
+        assert report["control"] != report["data_parallel"], report
+        assert report["used"] and set(report["used"]) == {report["control"]}, report
+        assert report["control_waited_for"] <= 1 and report["data_parallel_waited_for"] >= 4, report

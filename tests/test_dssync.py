@@ -7,7 +7,7 @@ import torch
 
 from deft_compile.tools.launcher import run_local_workers
 from deft_compile.planner.solvers import dssync_partition
-from workers import dssync_run
+from workers import dssync_buffer_groups, dssync_run
 
 
 def test_partition_is_a_seeded_shuffle_of_disjoint_groups():
@@ -43,3 +43,13 @@ def test_dssync_averages_within_the_planned_group_and_flush_restores_one_model(a
     for other in results[1:]:
         for a, b in zip(results[0]["after_flush"], other["after_flush"]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("average", ["gradients", "parameters"])
+def test_dssync_broadcasts_buffers_in_its_own_groups_and_opens_no_buffer_group(average):
+    """DS-Sync's buffers go within the step's group (its graph's collectives use no other group), so the step
+    does not open the buffer broadcast's group that synchronous steps on the same model open."""
+    for report in (r.value for r in run_local_workers(dssync_buffer_groups, 2, (average,), timeout_s=240)):
+        assert report["wfbp_buffer_group"] and not report["dssync_buffer_group"], report
+        used = set(report["groups"]["all_reduce"]) | set(report["groups"]["broadcast"])
+        assert used <= {report["step_group"]}, report

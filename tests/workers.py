@@ -957,3 +957,95 @@ def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps
     return {"resolved": resolved, "initial_delayed": step.plan_history[0]["delayed_items"],
             "traded": step.preserver.traded, "history": [h["reason"] for h in step.plan_history],
             "max_delayed": max(h["delayed_items"] for h in step.plan_history)}
+
+
+def dssync_buffer_groups(rank: int, world_size: int, average: str) -> dict:
+    """A DS-Sync step and a ``wfbp`` step on a BatchNorm CNN: which opened a buffer group of its own, and the groups
+    the DS-Sync graph's collectives ran on after two steps."""
+    (_make_optimizer, make_batch, loss_fn, _base,
+     ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft("cnn_batchnorm_adam")
+    dssync = deft_compile(deft_model, deft_optimizer, loss_fn, policy="dssync",
+                          config=DeftConfig(plan_options={"group_size": 2, "seed": 7, "average": average}))
+    wfbp = deft_compile(ref_model, ref_optimizer, loss_fn, policy="wfbp")
+    data = torch.Generator().manual_seed(1234 + rank)
+    for _ in range(2):
+        inputs, targets = make_batch(data)
+        dssync(inputs, targets)
+    groups = _collective_groups(dssync)
+    step_group = dssync._step_group.name if dssync._step_group is not None else None
+    dssync.flush()
+    return {"dssync_buffer_group": dssync._buffer_group is not None, "wfbp_buffer_group": wfbp._buffer_group is not None,
+            "groups": groups, "step_group": step_group}
+
+
+def group_thread_cores(rank: int, world_size: int) -> dict:
+    """The cores the threads of two newly opened process groups may run on: one from ``dist.new_group``, one
+    from ``deft_compile.step.distributed.new_group``; and the calling (compute) thread's."""
+    import os
+
+    import torch.distributed as dist
+
+    from deft_compile.step.distributed import new_group
+
+    def threads() -> set[int]:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+    def cores_of_new(open_group) -> list[list[int]]:
+        before = threads()
+        group = open_group()
+        dist.all_reduce(torch.ones(1), group=group)
+        return [sorted(os.sched_getaffinity(tid)) for tid in sorted(threads() - before)]
+
+    ranks = list(range(world_size))
+    return {"plain": cores_of_new(lambda: dist.new_group(ranks=ranks)),
+            "helper": cores_of_new(lambda: new_group(ranks=ranks)),
+            "compute": sorted(os.sched_getaffinity(0))}
+
+
+def control_group_run(rank: int, world_size: int, steps: int) -> dict:
+    """deft with the closed loop and the Preserver (a loss window every 2 steps): the groups of every eager
+    all-reduce the step makes (recorded by wrapping ``dist.all_reduce``), the step's groups, and whether a small
+    all-reduce on the control group returns while large ones are still running on the data-parallel group (on that
+    group itself it waits behind them)."""
+    import torch.distributed as dist
+
+    from deft_compile.preserver import PreserverConfig
+    from deft_compile.step.closed_loop import ClosedLoopConfig
+
+    model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
+    config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(check_every=2),
+                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=1, measure_steps=2, duel_rounds=1,
+                                                     duel_steps=1))
+    step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
+    used: list[str] = []
+    plain = dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        used.append((group or dist.group.WORLD).group_name)
+        return plain(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        for inputs, targets in batches:
+            step(inputs, targets)
+    finally:
+        dist.all_reduce = plain
+    step.flush()
+
+    tensors = [torch.ones(8 * 2 ** 20) for _ in range(6)]
+
+    def large_ones_done_when_a_small_one_returns(group) -> int:
+        """Six large all-reduces in flight on the data-parallel group (gloo works a group's queue with two
+        threads), then a small one on ``group``: how many large ones had completed when it returned."""
+        dist.barrier(group=step.control_group)
+        large = [dist.all_reduce(tensor, group=step.process_group, async_op=True) for tensor in tensors]
+        dist.all_reduce(torch.ones(1), group=group)
+        done = sum(work.is_completed() for work in large)
+        for work in large:
+            work.wait()
+        return done
+
+    return {"used": used, "control": step.control_group.group_name, "data_parallel": step.process_group.group_name,
+            "states": step.closed_loop.state,
+            "control_waited_for": large_ones_done_when_a_small_one_returns(step.control_group),
+            "data_parallel_waited_for": large_ones_done_when_a_small_one_returns(step.process_group)}

@@ -51,6 +51,7 @@ class WatchedStep(Protocol):
     graph: Any  # the CompiledGraph of the latest step: its captured parameters and names
     items: list[ScheduledItem]
     process_group: dist.ProcessGroup | None
+    control_group: dist.ProcessGroup | None  # for the monitor's own all-reduces: beside the gradients in flight
 
     def solve(self, options: dict[str, Any]) -> Plan: ...
 
@@ -216,7 +217,7 @@ class PreserverMonitor:
 
     def _all_rank_mean(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, group=self.step.process_group)
+        dist.all_reduce(tensor, group=self.step.control_group)
         return (tensor / self.step.world_size).tolist()
 
     def after_step(self, loss: torch.Tensor, args: tuple, kwargs: dict) -> PreserverEvent | None:

@@ -292,7 +292,8 @@ class ClosedLoop:
         import torch.distributed as dist
 
         tensor = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=step.process_group)
+        # on the control group: on the data-parallel group this would wait for the gradients still in flight
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=step.control_group)
         return float(tensor.item())
 
     def _after_observe(self, step, measured: float) -> None:
@@ -386,9 +387,8 @@ class ClosedLoop:
             return
         # All measured one after the other: the best stale plan goes to a duel with the synchronous one.
         entries = list(self.measured.values())
-        synchronous = [(p, ms) for p, ms in entries if _is_synchronous(p)]
         stale = [(p, ms) for p, ms in entries if not _is_synchronous(p)]
-        if not synchronous or not stale:
+        if len(stale) in (0, len(entries)):  # only one kind measured: nothing to duel
             best_plan, best_ms = min(entries, key=lambda e: e[1])
             self._settle(step, best_plan, best_ms, "fastest measured plan")
             return
@@ -438,8 +438,7 @@ class ClosedLoop:
     def _after_replan(self, step) -> None:
         """Someone else switched after settling: measured before means decided at once, else a duel."""
         plan = step.plan
-        synchronous = [(p, ms) for p, ms in self.measured.values() if _is_synchronous(p)]
-        if not synchronous:
+        if not any(_is_synchronous(p) for p, _ in self.measured.values()):
             return
         sync_plan, sync_ms = self._fastest_synchronous()
         if _is_synchronous(plan):

@@ -42,17 +42,35 @@ def group_timeout(group: dist.ProcessGroup, default: timedelta = timedelta(secon
         return default
 
 
-def open_buffer_group(group: dist.ProcessGroup) -> CommGroup:
-    """A second process group over ``group``'s ranks and backend, for the per-step buffer broadcast alone.
+def new_group(**kwargs: Any) -> dist.ProcessGroup:
+    """``dist.new_group(**kwargs)`` (a collective call), with the new group's gloo threads on the communication
+    core under accelerator emulation (``deft_compile.tools.emulation``): created from the compute thread they
+    would inherit its core and compete with compute, which no accelerator's communication does."""
+    from deft_compile.tools import emulation
+
+    with emulation.communication_threads():
+        return dist.new_group(**kwargs)
+
+
+def open_side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A second process group over ``group``'s ranks and backend (and its timeout), for what the step sends
+    beside its gradients: the per-step buffer broadcast, and the small all-reduces with which the Preserver
+    and the closed loop agree on losses and measured times.
 
     Why: a backend runs one group's collectives in order. Under ByteScheduler, US-Byte or a delayed plan,
-    all-reduces of the previous step are still in flight when the next step starts, and the buffer broadcast
-    (waited before the forward) would queue behind all of them: the next forward could not start until every
-    carried gradient had arrived, which is exactly the overlap those plans are for. On its own group the
-    broadcast only shares the link's bandwidth. A collective call on every rank of ``group``."""
+    all-reduces of the previous step are still in flight when the next step starts (and when the step
+    returns). On the data-parallel group the buffer broadcast, waited before the forward, would queue behind
+    all of them, so the next forward could not start until every carried gradient had arrived, which is
+    exactly the overlap those plans are for; and a loss all-reduce after the step would wait there for all
+    of them, exposing the carried communication of that step in full. On its own group such a collective
+    only shares the link's bandwidth. A collective call on every rank of ``group``."""
     ranks = dist.get_process_group_ranks(group)
-    buffers = dist.new_group(ranks=ranks, backend=dist.get_backend(group), timeout=group_timeout(group))
-    return CommGroup(name=buffers.group_name, rank=dist.get_rank(buffers), world_size=dist.get_world_size(buffers))
+    return new_group(ranks=ranks, backend=dist.get_backend(group), timeout=group_timeout(group))
+
+
+def comm_group_of(group: dist.ProcessGroup) -> CommGroup:
+    """``group`` as the graph's functional collectives name it."""
+    return CommGroup(name=group.group_name, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
 
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:

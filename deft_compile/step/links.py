@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from deft_compile.errors import NetnsError
+from deft_compile.step.distributed import new_group
 
 LINK_KINDS = ("gloo", "nccl")
 _LINK_BACKEND = "deft_gloo_if"  # the registered backend name of a gloo group bound to one interface
@@ -40,7 +41,7 @@ def open_link(spec: str, ranks: list[int] | None = None, timeout: timedelta | No
     timeout = timeout or timedelta(seconds=60)
     if interface is not None:
         return link_group(interface, ranks=ranks, timeout=timeout)
-    return dist.new_group(ranks=ranks, backend=kind, timeout=timeout)
+    return new_group(ranks=ranks, backend=kind, timeout=timeout)
 
 
 def _create_link_backend(backend_options: Any, pg_options: Any) -> Any:
@@ -94,4 +95,4 @@ def link_group(interface: str, ranks: Sequence[int] | None = None, timeout: time
         raise NetnsError("link_group needs an initialized default process group (init_process_group first)")
     _register_link_backend()
     options = gloo_device_options(interface)
-    return dist.new_group(ranks=list(ranks) if ranks is not None else None, timeout=timeout, backend=_LINK_BACKEND, pg_options=options)
+    return new_group(ranks=list(ranks) if ranks is not None else None, timeout=timeout, backend=_LINK_BACKEND, pg_options=options)

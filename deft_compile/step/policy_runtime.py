@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from deft_compile.planner.plan import Plan
 from deft_compile.planner.solvers import dssync_partition
-from deft_compile.step.distributed import average_tensors
+from deft_compile.step.distributed import average_tensors, new_group
 from deft_compile.step.pipeline import CommGroup
 
 log = logging.getLogger("deft_compile")
@@ -53,6 +53,8 @@ class PolicyRuntime:
         uses_buckets: the solver takes DDP's bucket sizes (``first_bucket_bytes``,
             ``bucket_cap_bytes`` from ``DeftConfig``).
         watched_by_preserver: the Preserver watches this policy's delays and periods.
+        picks_groups: ``step_group`` answers a group of the policy's own every step (DS-Sync): the step's
+            buffers are broadcast within it, so the step opens no buffer group of its own.
         last_stats: per-step statistics the schedule pass emitted (``"stats:<item>"``
             outputs), refreshed every step.
     """
@@ -60,6 +62,7 @@ class PolicyRuntime:
     needs_profile: bool = True
     uses_buckets: bool = False
     watched_by_preserver: bool = False
+    picks_groups: bool = False
 
     def __init__(self) -> None:
         self.last_stats: dict[str, list[float]] = {}
@@ -141,6 +144,7 @@ class DSSyncRuntime(PolicyRuntime):
 
     needs_profile = False
     uses_buckets = True
+    picks_groups = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -185,7 +189,7 @@ class DSSyncRuntime(PolicyRuntime):
         """The process group of these ranks, created on first use (``new_group`` is collective: every rank
         must ask for the same groups in the same order)."""
         if global_ranks not in self.subgroups:
-            self.subgroups[global_ranks] = dist.new_group(list(global_ranks))
+            self.subgroups[global_ranks] = new_group(ranks=list(global_ranks))
         return self.subgroups[global_ranks]
 
 

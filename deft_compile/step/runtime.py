@@ -34,8 +34,9 @@ from deft_compile.step.distributed import (
     check_same_across_ranks,
     diagnose_peer_failure,
     group_timeout,
+    comm_group_of,
     model_fingerprint,
-    open_buffer_group,
+    open_side_group,
     resolve_group,
 )
 from deft_compile.debug.dump import GraphDumper
@@ -123,7 +124,8 @@ class CompiledStep:
         self.last_trace_seconds = 0.0
         self._seconds = {"planning": 0.0, "graphs": 0.0}
         self._links: list[tuple[str, dist.ProcessGroup]] = []
-        self._buffer_group: CommGroup | None = None  # the buffer broadcast's own group (open_buffer_group)
+        self._side_group: dist.ProcessGroup | None = None  # buffer broadcast and control all-reduces (open_side_group)
+        self._buffer_group: CommGroup | None = None  # the side group, when the step broadcasts buffers
         # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
         # communicates), so it stays off there (docs/API.md).
         self._profile_given = profile is not None  # the user's plan: no closed loop, no synchronous start
@@ -139,8 +141,12 @@ class CompiledStep:
                                  timeout=group_timeout(self._process_group)))
                 for spec in config.links
             ]
-            if config.broadcast_buffers and any(buffer.numel() for buffer in model.buffers()):
-                self._buffer_group = open_buffer_group(self._process_group)
+            # DS-Sync's step groups broadcast within themselves and it has no Preserver or closed loop
+            buffers = config.broadcast_buffers and any(buffer.numel() for buffer in model.buffers())
+            if not policy_runtime.picks_groups and (buffers or self.closed_loop is not None
+                                                     or self._watched_by_preserver()):
+                self._side_group = open_side_group(self._process_group)
+                self._buffer_group = comm_group_of(self._side_group) if buffers else None
         elif config.links:
             log.warning("DeftConfig.links is ignored: training is local (no process group or world size 1)")
 
@@ -153,6 +159,13 @@ class CompiledStep:
     def process_group(self) -> dist.ProcessGroup | None:
         """The data-parallel process group (None when training is local)."""
         return self._process_group
+
+    @property
+    def control_group(self) -> dist.ProcessGroup | None:
+        """The group for the Preserver's and the closed loop's small all-reduces (losses, measured times): the
+        side group (``open_side_group``), so they do not wait behind gradient all-reduces still in flight;
+        the data-parallel group where the step has none."""
+        return self._side_group if self._side_group is not None else self._process_group
 
     def updates_at(self, call_index: int) -> bool:
         """Whether call number ``call_index`` (0-based) ends a gradient-accumulation cycle with an update."""

@@ -102,12 +102,13 @@ def eager_step(module: Any, optimizer: Any, loss_fn: Any):
     return run
 
 
-def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any) -> None:
+def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any, control: Any = None) -> None:
     """Warm up a plan with an update period further, until one whole cycle runs without capturing a graph.
 
     With a period K the first cycles meet new graph variants (a phase with an accumulator carried in,
     for example); timing those steps would time compilation. Every rank takes the same decision (one
-    all-reduce of a flag per step), so collectives stay matched. Bounded: at most 4 cycles + 4 steps.
+    all-reduce of a flag per step, on ``control``: see ``_settle_closed_loop``), so collectives stay matched.
+    Bounded: at most 4 cycles + 4 steps.
     """
     if plan is None:
         return
@@ -123,17 +124,23 @@ def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any) -> 
         _, retraced = call(name)
         extra += 1
         flag = torch.tensor([1.0 if retraced else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
         quiet = 0 if flag.item() else quiet + 1
 
 
-def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, step: Any, limit: int = 150) -> None:
+def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, step: Any, limit: int = 150,
+                        control: Any = None) -> None:
     """Warm up until closed-loop planning (``deft_compile.step.closed_loop``) settled on a plan: its measured
     trials switch plans and retrace, which the timed steps must not include. A Preserver that starts
     synchronous (``PreserverConfig.start_synchronous``) first trades once its prices exist, after
     ``staleness_every`` steps, and the closed loop then duels the traded plan: the warm-up runs past that
     first trade too. Ranks decide together (the decisions are agreed, so the flags are equal; the all-reduce
-    keeps collectives matched). Bounded."""
+    keeps collectives matched). Bounded.
+
+    The flags go on ``control``, a group of the bench's own: on the data-parallel group the flag's all-reduce
+    after each step would wait for the gradients that step left in flight (a priority or delayed plan waits for
+    them in the next step), taking that wait out of the steps the closed loop times. Its trials then measured
+    such plans 20-40 % faster than they ran (docs/BENCHMARKS.md, session 9)."""
     loop = getattr(step, "closed_loop", None)
     if loop is None:
         return
@@ -146,7 +153,7 @@ def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, st
     for _ in range(limit):
         waiting = loop.state != "settled" or step.step_count < first_trade
         flag = torch.tensor([1.0 if waiting else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
         if not flag.item():
             return
         call(name)
@@ -159,6 +166,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     import torch.nn as nn
 
     from deft_compile import DeftConfig, deft_compile
+    from deft_compile.step.distributed import new_group
     from deft_compile.preserver import PreserverConfig
     from deft_compile.tools.bench_models import resolve_model
     from deft_compile.planner.profiler import measure_allreduce
@@ -170,7 +178,8 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     pool = [preset.batch(batch_size, torch.Generator().manual_seed(10_000 * (rank + 1) + i))
             for i in range(cfg["batch_pool"])]
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-    solo = [dist.new_group([r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes all
+    solo = [new_group(ranks=[r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes all
+    control = new_group(ranks=list(range(world_size)))  # the warm-up's flags, beside the gradients in flight
     allreduce_ms = measure_allreduce(None, [grad_bytes], repeats=cfg["link_repeats"], warmup=1)[0][1]
 
     runners: dict[str, Any] = {}
@@ -237,8 +246,8 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         started = time.perf_counter()
         for _ in range(cfg["warmup"]):
             call(name)
-        _settle_closed_loop(call, name, runners[name])
-        _settle(name, call, getattr(runners[name], "plan", None))
+        _settle_closed_loop(call, name, runners[name], control=control)
+        _settle(name, call, getattr(runners[name], "plan", None), control=control)
         warmup_s[name] = time.perf_counter() - started
 
     names = list(runners)
@@ -438,12 +447,14 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
 
     samples = value["samples_ms"]
     retraced = value.get("retraced") or {n: [False] * len(s) for n, s in samples.items()}
-    blocks = {n: [b for b in _blocks(s, retraced[n], block) if b] for n, s in samples.items()}
-    step = {n: statistics.median([statistics.fmean(b) for b in bl]) for n, bl in blocks.items() if bl}
-    schedule_blocks = {n: [b for b in _blocks(s, retraced[n], block) if b]
-                       for n, s in (value.get("schedule_ms") or {}).items()}
-    schedule_step = {n: statistics.median([statistics.fmean(b) for b in bl])
-                     for n, bl in schedule_blocks.items() if bl}
+
+    def per_block(times_by_name: dict[str, list[float]]) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+        """Non-empty blocks per variant, and the median over them of the block's mean step."""
+        kept = {n: [b for b in _blocks(s, retraced[n], block) if b] for n, s in times_by_name.items()}
+        return kept, {n: statistics.median([statistics.fmean(b) for b in bl]) for n, bl in kept.items() if bl}
+
+    blocks, step = per_block(samples)
+    _, schedule_step = per_block(value.get("schedule_ms") or {})
     floor, ddp = step.get("floor"), step.get("ddp")
     rows: dict[str, dict[str, Any]] = {}
     for name, times in samples.items():

@@ -6,12 +6,18 @@ the worker's communication threads are confined to core 1 and its compute
 thread to core 0: the affinity is set to core 1 *before* ``init_process_group``
 (gloo's threads, created there, inherit it), then the calling thread alone is
 moved to core 0 (``sched_setaffinity(0, ...)`` applies to the calling thread).
+Process groups opened later (the buffer broadcast's, a second link's, DS-Sync's
+groups) start their gloo threads from the compute thread, so they would inherit
+core 0 and compete with compute: ``communication_threads()`` moves the calling
+thread to core 1 while such a group is created.
 Enabled by the environment variable ``DEFT_EMULATE_ACCELERATOR=1``; Linux only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 ENV = "DEFT_EMULATE_ACCELERATOR"
 COMPUTE_CORE, COMM_CORE = 0, 1
@@ -31,3 +37,18 @@ def after_init() -> None:
     """The calling (compute) thread runs on the compute core."""
     if enabled():
         os.sched_setaffinity(0, {COMPUTE_CORE})
+
+
+@contextlib.contextmanager
+def communication_threads() -> Iterator[None]:
+    """Threads created inside (a process group's gloo threads) run on the communication core; the calling
+    thread gets its affinity back after. A no-op unless emulation is enabled."""
+    if not enabled():
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {COMM_CORE})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
