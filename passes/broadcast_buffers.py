@@ -3,8 +3,8 @@
 BatchNorm running statistics are updated locally in forward from each rank's own
 batch; DDP overwrites every rank's buffers with rank 0's before each forward
 (``broadcast_buffers=True``). The pass does the same inside the graph: one
-coalesced broadcast per dtype, then ``copy_`` into the live buffers, before any
-node reads them.
+coalesced broadcast per dtype, then one ``_foreach_copy_`` into the live buffers,
+before any node reads them.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def insert_buffer_broadcast(
             out = persistent_buffer(gm, graph, f"_deft_broadcast_{number}", numel, dtype, device)
             flat = emit_flatten(graph, group, out=out)
             received = graph.call_function(WAIT, (graph.call_function(BROADCAST_, (flat, src, group_name)),))
-            for buffer, value in zip(group, emit_unflatten(graph, received, group)):
-                graph.call_function(aten.copy_.default, (buffer, value))
+            # one foreach copy, not one copy_ per buffer: ResNet-50 has 160 floating-point BatchNorm buffers and
+            # the aten path dispatches every node from Python
+            graph.call_function(aten._foreach_copy_.default, (list(group), emit_unflatten(graph, received, group)))
     graph.lint()
     gm.recompile()
     return gm

@@ -150,7 +150,7 @@ def test_inductor_failure_falls_back_to_aten_once(monkeypatch, caplog):
     assert caplog.text.count("Inductor could not compile the step graph") == 1
 
 
-@pytest.fixture(scope="module", params=["mlp_dropout_sgd", "transformer_tied_adamw_groups"])
+@pytest.fixture(scope="module", params=["mlp_dropout_sgd", "transformer_tied_adamw_groups", "cnn_batchnorm_adam"])
 def ddp_report(request):
     results = run_local_workers(inductor_vs_ddp, 2, (request.param, 5), timeout_s=400, collective_timeout_s=240)
     return request.param, [r.value for r in results]

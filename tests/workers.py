@@ -780,11 +780,12 @@ def _mlp_with_delaying_profile(rank: int, world_size: int, steps: int):
 
 
 def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, drift_ms_per_step: float = 0.0,
-                    duel_rounds: int = 2, priority_ms: float = 0.0) -> dict:
+                    duel_rounds: int = 2, priority_ms: float = 0.0, base_ms: float = 0.0) -> dict:
     """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
     of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
     ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier);
-    ``priority_ms`` is added to the priority plans (ByteScheduler's, US-Byte's)."""
+    ``priority_ms`` is added to the priority plans (ByteScheduler's, US-Byte's), ``base_ms`` to every plan (so
+    negative offsets still give positive times, whose ratios the duel compares)."""
     from deft_compile.step.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
@@ -796,7 +797,7 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
     def inject(plan) -> float:
         stale = any(item.delay or item.period > 1 for item in plan.items)
         priority = priority_ms if plan.policy in PRIORITY_POLICIES else 0.0
-        return (slower_ms if stale else 0.0) + priority + drift_ms_per_step * step.step_count
+        return base_ms + (slower_ms if stale else 0.0) + priority + drift_ms_per_step * step.step_count
 
     step.closed_loop.inject = inject
     initial_delayed = None
@@ -806,7 +807,7 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
             initial_delayed = sum(1 for item in step.plan.items if item.delay)
     step.flush()
     return {"initial_delayed": initial_delayed, "final_delayed": sum(1 for item in step.plan.items if item.delay),
-            "state": step.closed_loop.state, "plan_hash": step.plan.hash(),
+            "state": step.closed_loop.state, "plan_hash": step.plan.hash(), "final_policy": step.plan.policy,
             "history": [{k: v for k, v in h.items()} for h in step.plan_history]}
 
 

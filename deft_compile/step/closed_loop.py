@@ -12,15 +12,16 @@ overlap the model does not capture), the plan may be wrong. The loop:
    its step times; ranks agree on the maximum (an all-reduce MAX), so every rank
    takes the same decision at the same step.
 2. ``trial``: run each candidate plan the same way: always the synchronous one
-   (DDP's buckets, ``max_staleness=0``), and, when the measurement missed the
+   (DDP's buckets, ``max_staleness=0``), for ``policy="deft"`` the priority plans
+   (ByteScheduler's, US-Byte's: also synchronous), and, when the measurement missed the
    prediction by more than ``tolerance``, the plan re-solved on a refined
    profile. The refined profile scales compute and link costs by the two
    factors that make the simulator best reproduce the measured times of the
    plans measured so far (a log-grid least squares on relative errors).
 3. ``duel``: the sequential measurements above are taken minutes apart on a
    machine whose load changes (a shared host, the other rank's process), so they
-   only pick the best plan with delays or periods. That plan and the synchronous
-   one then run in ``duel_rounds`` interleaved rounds, the order alternating
+   only pick the best plan with delays or periods. That plan and the fastest
+   measured synchronous one then run in ``duel_rounds`` interleaved rounds, the order alternating
    (P S, S P, P S, ...): each block runs one step after the switch, unmeasured
    (its graph and a first step of delayed items differ), then ``duel_steps``
    measured steps (whole update periods). Each round gives the ratio of the two
@@ -86,9 +87,9 @@ class ClosedLoopConfig:
             plans (``PRIORITY_POLICIES``: ByteScheduler's and US-Byte's) as
             synchronous candidates. They give DDP's numbers and overlap
             communication with the next forward; the fastest measured
-            synchronous plan runs whenever the decision is synchronous (delays
-            must still beat DDP's buckets, see ``ClosedLoop._opponent``). Not with loss scaling (its skipped updates
-            are not tested with per-layer updates).
+            synchronous plan runs whenever the decision is synchronous, and
+            is what a plan with delays must beat. Not with loss scaling (its
+            skipped updates are not tested with per-layer updates).
     """
 
     enabled: bool | None = None
@@ -312,7 +313,7 @@ class ClosedLoop:
         self._next_trial(step)
 
     def _synchronous_plan(self, step):
-        """DDP's buckets, no delays or periods: the candidate every other plan must beat."""
+        """DDP's buckets, no delays or periods: the synchronous candidate every step measures."""
         if step.policy == "deft":
             return step.solve({**step.plan.options, "max_staleness": 0, "allow_period": False})
         from deft_compile.planner.solvers import solve
@@ -392,7 +393,7 @@ class ClosedLoop:
             best_plan, best_ms = min(entries, key=lambda e: e[1])
             self._settle(step, best_plan, best_ms, "fastest measured plan")
             return
-        sync_plan, sync_ms = self._opponent()
+        sync_plan, sync_ms = self._fastest_synchronous()
         stale_plan, stale_ms = min(stale, key=lambda e: e[1])
         if self.config.duel_rounds > 0 and stale_ms < sync_ms * (1.0 + self.config.duel_margin):
             self._start_duel(step, stale_plan, sync_plan, "settle")
@@ -401,19 +402,12 @@ class ClosedLoop:
         self._settle(step, best_plan, best_ms, "fastest measured plan")
 
     def _fastest_synchronous(self):
-        """(plan, ms) of the fastest measured synchronous plan: the one to run whenever the plan is synchronous."""
+        """(plan, ms) of the fastest measured synchronous plan: the one to run whenever the plan is synchronous, and
+        the one a plan with delays must beat (it is what runs instead, with no staleness). A priority plan
+        (ByteScheduler's, US-Byte's) qualifies: session 8 kept them out of duels because the closed loop measured
+        them 20-40 % faster than the benchmark's rounds did; the cause was the collectives after a step waiting
+        for its gradients in flight (``CompiledStep.control_group``; docs/BENCHMARKS.md, session 9)."""
         return min(((p, ms) for p, ms in self.measured.values() if _is_synchronous(p)), key=lambda e: e[1])
-
-    def _opponent(self):
-        """(plan, ms) a plan with delays must beat: the fastest measured synchronous plan on DDP's buckets.
-
-        Not a priority plan (ByteScheduler's, US-Byte's), although one may run when the plan is synchronous: the
-        closed loop measured them 20-40 % faster than the benchmark's interleaved rounds later did, and in one
-        launch a priority plan won the duel by 26 % while the plan with delays ran 35 % faster in those rounds
-        (docs/BENCHMARKS.md, session 8). Until that is understood they do not decide whether delays stay."""
-        synchronous = [(p, ms) for p, ms in self.measured.values() if _is_synchronous(p)]
-        buckets = [(p, ms) for p, ms in synchronous if p.policy not in PRIORITY_POLICIES]
-        return min(buckets or synchronous, key=lambda e: e[1])
 
     def _candidates(self, step) -> dict[str, dict[str, Any]]:
         from deft_compile.planner.stability import predicted_ms
@@ -451,7 +445,7 @@ class ClosedLoop:
                              replaced={"plan_hash": plan.hash(), "measured_ms": known[1] if known else None})
             return
         known = self.measured.get(plan.hash())
-        opponent, opponent_ms = self._opponent()
+        opponent, opponent_ms = sync_plan, sync_ms
         if known is None and self.config.duel_rounds > 0:
             self._start_duel(step, plan, opponent, "re-plan")
             return
