@@ -57,7 +57,8 @@ def open_side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     beside its gradients: the per-step buffer broadcast, and the small all-reduces with which the Preserver
     and the closed loop agree on losses and measured times.
 
-    Why: a backend runs one group's collectives in order. Under ByteScheduler, US-Byte or a delayed plan,
+    Why: a backend works through one group's collectives in order (gloo: two at a time). Under ByteScheduler,
+    US-Byte or a delayed plan,
     all-reduces of the previous step are still in flight when the next step starts (and when the step
     returns). On the data-parallel group the buffer broadcast, waited before the forward, would queue behind
     all of them, so the next forward could not start until every carried gradient had arrived, which is
