@@ -4,9 +4,8 @@ Compute is measured on the captured step itself: the graph runs node by node
 under an ``fx.Interpreter`` on *copies* of the parameters, buffers, optimizer
 state and inputs (the live model is never touched, and the random-number state
 is restored afterwards so training draws the same numbers it would have),
-``warmup`` times and then ``repeats`` times; each node's fastest time, scaled so
-that all of them add up to the median time of the graph run whole
-(``measure_node_times``), is attributed to a parameter:
+``warmup`` times and then ``repeats`` times; each node's fastest time is
+attributed to a parameter:
 
 * forward nodes to the parameter whose first use most recently started (its
   "layer"), split evenly among parameters first used by the same node;
@@ -62,26 +61,15 @@ class _TimingInterpreter(fx.Interpreter):
 
 
 def measure_node_times(
-    captured: CapturedStep, inputs: Sequence[torch.Tensor], *, warmup: int = 1, repeats: int = 3,
-    calibrate: bool = True,
+    captured: CapturedStep, inputs: Sequence[torch.Tensor], *, warmup: int = 1, repeats: int = 3
 ) -> dict[fx.Node, float]:
-    """Milliseconds of every node of the captured graph (the minimum over ``repeats`` runs on copies of ``inputs``),
-    scaled so that they add up to the whole graph's time (``calibrate``).
+    """Milliseconds of every node of the captured graph (the minimum over ``repeats`` runs on copies of ``inputs``).
 
     The minimum, not the median: on a shared machine a busy moment only ever
     makes a node slower, and one skewed profile would bias the whole plan.
-
-    Why the calibration: the node minima add up to less than the graph takes when it runs whole. They leave
-    out the dispatch between nodes, and each one catches the moment the machine was quietest, while a whole
-    step meets whatever else runs beside it (on a 2-core host in accelerator emulation, the other rank's
-    compute on the same core). Measured in session 9 on ResNet-50: node minima summed to half the
-    no-communication step, and the simulator put the standalone ByteScheduler and US-Byte plans 20-45 % under
-    their measured time (docs/BENCHMARKS.md). So the graph also runs whole ``repeats`` times, and every node
-    time is scaled by (median whole run) / (sum of the node minima): each node keeps its share.
     """
     rng = torch.get_rng_state()
     interpreter = _TimingInterpreter(captured.graph_module)
-    whole: list[float] = []
     try:
         with torch.no_grad():
             for run in range(warmup + repeats):
@@ -89,24 +77,9 @@ def measure_node_times(
                 if run == warmup:
                     interpreter.times.clear()
                 interpreter.run(*copies)
-            for _ in range(repeats if calibrate else 0):
-                copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]
-                started = time.perf_counter()
-                captured.graph_module(*copies)
-                whole.append((time.perf_counter() - started) * 1e3)
     finally:
         torch.set_rng_state(rng)
-    return scaled_to_whole({node: min(samples) for node, samples in interpreter.times.items()}, whole)
-
-
-def scaled_to_whole(node_ms: dict[Any, float], whole_ms: Sequence[float]) -> dict[Any, float]:
-    """``node_ms`` scaled so that they add up to the median of ``whole_ms`` (each node keeps its share);
-    unchanged without whole runs or node times."""
-    total = sum(node_ms.values())
-    if not whole_ms or total <= 0:
-        return dict(node_ms)
-    factor = statistics.median(whole_ms) / total
-    return {node: ms * factor for node, ms in node_ms.items()}
+    return {node: min(samples) for node, samples in interpreter.times.items()}
 
 
 def attribute_times(
