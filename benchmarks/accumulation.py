@@ -34,7 +34,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.nn as nn
 
     from deft_compile import DeftConfig, deft_compile
-    from deft_compile.step.distributed import new_group
+    from deft_compile.tools.emulation import new_group
     from deft_compile.preserver import PreserverConfig
     from deft_compile.tools.bench_models import resolve_model
 

@@ -332,7 +332,7 @@ def shaped_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
     from policies import _ForeignLoad, make_optimizer, vgg_setup
 
     from deft_compile.debug.artifacts import plan_cycle
-    from deft_compile.step.distributed import new_group
+    from deft_compile.tools.emulation import new_group
 
     base, inputs, targets, total_bytes = vgg_setup(rank, cfg)
     solo = [new_group(ranks=[r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes every one

@@ -51,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deft_compile import DeftConfig, deft_compile
-from deft_compile.step.distributed import new_group
+from deft_compile.tools.emulation import new_group
 from deft_compile.tools.bench import eager_step, quantile
 from deft_compile.tools.launcher import run_local_workers
 from deft_compile.tools.netns import ShapedLoopback, check_prerequisites

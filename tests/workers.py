@@ -981,12 +981,13 @@ def dssync_buffer_groups(rank: int, world_size: int, average: str) -> dict:
 
 def group_thread_cores(rank: int, world_size: int) -> dict:
     """The cores the threads of two newly opened process groups may run on: one from ``dist.new_group``, one
-    from ``deft_compile.step.distributed.new_group``; and the calling (compute) thread's."""
+    from ``deft_compile.tools.emulation.new_group`` (what the library opens its groups with); and the calling
+    (compute) thread's."""
     import os
 
     import torch.distributed as dist
 
-    from deft_compile.step.distributed import new_group
+    from deft_compile.tools.emulation import new_group
 
     def threads() -> set[int]:
         return {int(tid) for tid in os.listdir("/proc/self/task")}

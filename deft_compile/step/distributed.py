@@ -13,6 +13,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deft_compile.errors import ModelMismatchError, PeerFailureError
 from deft_compile.step.pipeline import CommGroup
+from deft_compile.tools.emulation import new_group
 
 log = logging.getLogger("deft_compile")
 
@@ -40,16 +41,6 @@ def group_timeout(group: dist.ProcessGroup, default: timedelta = timedelta(secon
         return backend.options._timeout
     except (AttributeError, RuntimeError, ValueError):
         return default
-
-
-def new_group(**kwargs: Any) -> dist.ProcessGroup:
-    """``dist.new_group(**kwargs)`` (a collective call), with the new group's gloo threads on the communication
-    core under accelerator emulation (``deft_compile.tools.emulation``): created from the compute thread they
-    would inherit its core and compete with compute, which no accelerator's communication does."""
-    from deft_compile.tools import emulation
-
-    with emulation.communication_threads():
-        return dist.new_group(**kwargs)
 
 
 def open_side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from deft_compile.errors import NetnsError
-from deft_compile.step.distributed import new_group
+from deft_compile.tools.emulation import new_group
 
 LINK_KINDS = ("gloo", "nccl")
 _LINK_BACKEND = "deft_gloo_if"  # the registered backend name of a gloo group bound to one interface

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 ENV = "DEFT_EMULATE_ACCELERATOR"
 COMPUTE_CORE, COMM_CORE = 0, 1
@@ -52,3 +52,14 @@ def communication_threads() -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, previous)
+
+
+def new_group(**kwargs: Any) -> Any:
+    """``torch.distributed.new_group(**kwargs)`` (a collective call), with the new group's gloo threads on the
+    communication core when emulation is enabled: created from the compute thread they would inherit its core
+    and compete with compute, which no accelerator's communication does. Every group the library and the
+    benchmarks open after ``init_process_group`` goes through here."""
+    import torch.distributed as dist
+
+    with communication_threads():
+        return dist.new_group(**kwargs)
