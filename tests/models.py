@@ -101,3 +101,16 @@ CASES = {
         True,
     ),
 }
+
+
+def captured_batchnorm_cnn():
+    """The seeded ``BatchNormCNN`` step (SGD with momentum, a batch of 4) captured as the passes and the profiler
+    see it: ``(captured, optimizer, batch)``."""
+    from deft_compile.step.capture import capture_step
+
+    torch.manual_seed(0)
+    model = BatchNormCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
+    captured = capture_step(model, optimizer, lambda out, y: F.cross_entropy(out, y), batch, {}, [])
+    return captured, optimizer, batch

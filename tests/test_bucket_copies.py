@@ -31,22 +31,16 @@ from deft_compile.passes.schedule import (
 )
 from deft_compile.planner.plan import LinkCost
 from deft_compile.planner.solvers import solve
-from deft_compile.step.capture import capture_step
 from deft_compile.step.pipeline import CommGroup, annotate_capture, compile_captured
 from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile
-from models import BatchNormCNN
+from models import captured_batchnorm_cnn
 
 aten = torch.ops.aten
 GROUP = CommGroup(name="fake_group", rank=0, world_size=2)
 
 
 def _captured():
-    torch.manual_seed(0)
-    model = BatchNormCNN()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
-    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out, y)  # noqa: E731
-    captured = capture_step(model, optimizer, loss_fn, batch, {}, [])
+    captured, _optimizer, _batch = captured_batchnorm_cnn()
     return captured, ProfileIndex.of(annotate_capture(captured))
 
 

@@ -5,18 +5,13 @@ from __future__ import annotations
 import torch
 
 from deft_compile.planner.profiler import measure_node_times
-from deft_compile.step.capture import capture_step, split_user_inputs
+from deft_compile.step.capture import split_user_inputs
 from deft_compile.step.optim_support import lr_inputs
-from models import BatchNormCNN
+from models import captured_batchnorm_cnn
 
 
 def _captured_and_inputs():
-    torch.manual_seed(0)
-    model = BatchNormCNN()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
-    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out, y)  # noqa: E731
-    captured = capture_step(model, optimizer, loss_fn, batch, {}, [])
+    captured, optimizer, batch = captured_batchnorm_cnn()
     user_tensors, _, _ = split_user_inputs(batch, {})
     state = captured.model_state
     return captured, [*state.params, *state.buffers, *user_tensors, *lr_inputs(optimizer)]

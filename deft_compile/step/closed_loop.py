@@ -445,17 +445,16 @@ class ClosedLoop:
                              replaced={"plan_hash": plan.hash(), "measured_ms": known[1] if known else None})
             return
         known = self.measured.get(plan.hash())
-        opponent, opponent_ms = sync_plan, sync_ms
         if known is None and self.config.duel_rounds > 0:
-            self._start_duel(step, plan, opponent, "re-plan")
+            self._start_duel(step, plan, sync_plan, "re-plan")
             return
         if known is None:  # no duel configured: measure it on its own first
             self.state = "trial"
             self._queue = []
             return
-        if known[1] > opponent_ms * (1.0 - self.config.min_gain):
+        if known[1] > sync_ms * (1.0 - self.config.min_gain):
             self._settle(step, sync_plan, sync_ms, f"the re-plan measured {known[1]:.1f} ms, not faster than the "
-                         f"synchronous plan's {opponent_ms:.1f} ms: back to synchronous",
+                         f"synchronous plan's {sync_ms:.1f} ms: back to synchronous",
                          rejected={"plan_hash": plan.hash(), "measured_ms": known[1]})
 
     # -- the duel -------------------------------------------------------------------------

@@ -49,9 +49,8 @@ def open_side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     and the closed loop agree on losses and measured times.
 
     Why: a backend works through one group's collectives in order (gloo: two at a time). Under ByteScheduler,
-    US-Byte or a delayed plan,
-    all-reduces of the previous step are still in flight when the next step starts (and when the step
-    returns). On the data-parallel group the buffer broadcast, waited before the forward, would queue behind
+    US-Byte or a delayed plan, all-reduces of the previous step are still in flight when the next step starts
+    (and when the step returns). On the data-parallel group the buffer broadcast, waited before the forward, would queue behind
     all of them, so the next forward could not start until every carried gradient had arrived, which is
     exactly the overlap those plans are for; and a loss all-reduce after the step would wait there for all
     of them, exposing the carried communication of that step in full. On its own group such a collective
