@@ -493,8 +493,9 @@ class ClosedLoop:
         if ratio < 1.0 - self.config.min_gain:
             self._settle(step, stale, duel.plan_ms(0), f"plan with delays won the duel ({verdict})", **record)
         else:
-            fastest, fastest_ms = self._fastest_synchronous()
-            self._settle(step, fastest, fastest_ms, f"synchronous plan won the duel ({verdict})", **record)
+            # The duel's synchronous plan runs: it was measured in the same interleaved rounds as the plan it beat,
+            # while another synchronous plan's time (measured alone, earlier) is not comparable with it.
+            self._settle(step, synchronous, duel.plan_ms(1), f"synchronous plan won the duel ({verdict})", **record)
 
     def _switch(self, step, plan, reason: str, record: bool = True, **extra: Any) -> None:
         step.switch_plan(plan.options, reason, plan=plan, record=record)
