@@ -201,3 +201,18 @@ def test_bench_network_cleaned_up_on_error(error):
             assert name in _netns_list()
             raise error("boom")
     assert name not in _netns_list()
+
+
+def test_every_policy_variant_names_real_config_fields():
+    """A bench variant is a policy plus config fields; a misspelt field would only fail inside a launch."""
+    from deft_compile.preserver import PreserverConfig
+    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.tools.bench import POLICY_CHOICES, POLICY_VARIANTS
+
+    configs = {"preserver": PreserverConfig, "closed_loop": ClosedLoopConfig}
+    for name, (policy, settings) in POLICY_VARIANTS.items():
+        assert name in POLICY_CHOICES and policy in POLICY_CHOICES
+        assert set(settings) <= set(configs), settings
+        for key, fields in settings.items():
+            configs[key](**fields)
+    assert ClosedLoopConfig(**POLICY_VARIANTS["deft-bucket-sync"][1]["closed_loop"]).priority_schedule is False

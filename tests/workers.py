@@ -1051,3 +1051,88 @@ def control_group_run(rank: int, world_size: int, steps: int) -> dict:
             "states": step.closed_loop.state,
             "control_waited_for": large_ones_done_when_a_small_one_returns(step.control_group),
             "data_parallel_waited_for": large_ones_done_when_a_small_one_returns(step.process_group)}
+
+
+def hybrid_vs_reference(rank: int, world_size: int, case: str, steps: int, schedule: str) -> dict:
+    """deft with ``synchronous_schedule=schedule``: its delayed buckets follow the delayed semantics and every
+    other parameter DDP's, its update moved to the next forward. Compared step by step with ``PlanReference``
+    of the plan (a parameter whose update waits for the next forward with the reference's previous step), and
+    after ``flush`` everything with the reference's last."""
+    from deft_compile.passes.schedule import APPLY_NEXT_FORWARD
+    from deft_compile.preserver import PreserverConfig
+
+    (make_optimizer, make_batch, loss_fn, base,
+     ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    # the input-side parameter kept synchronous, as the Preserver keeps what staleness harms most
+    options = {**POLICY_OPTIONS["deft"], "synchronous_schedule": schedule, "keep_synchronous": [profile.params[-1].name]}
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
+                        config=DeftConfig(plan_options=options, preserver=PreserverConfig(enabled=False)))
+    reference, report = None, []
+    for t, (inputs, targets) in enumerate(batches):
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        if reference is None:
+            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size)
+        before = _snapshot(ref_model, ref_optimizer)
+        torch.manual_seed(100 * rank + t)
+        reference.step(inputs, targets)
+        after = _named_state(ref_model, ref_optimizer)
+        next_forward = {item.id for item in step.items if item.apply == APPLY_NEXT_FORWARD} & set(step.pending)
+        deferred = {step.profile.params[s.param].name for item in step.plan.items if item.id in next_forward
+                    for s in item.slices}
+        expected = {k: (before if _owner(k) in deferred else after)[k] for k in after.keys() | before.keys()
+                    if k in (before if _owner(k) in deferred else after) and not (k.startswith("grad:")
+                                                                                   and _owner(k) in deferred)}
+        state = {k: v for k, v in _named_state(deft_model, deft_optimizer).items()
+                 if not (k.startswith("grad:") and _owner(k) in deferred)}
+        entry = _compare(state, expected)
+        entry.update(step=t, deferred=len(deferred))
+        report.append(entry)
+    plan = step.plan
+    step.flush()
+    reference.flush()
+    # parameters, buffers and optimizer state; not .grad, which the reference's flush clears for the
+    # synchronous parameters and the step keeps (as DDP does)
+    no_grads = lambda state: {k: v for k, v in state.items() if not k.startswith("grad:")}  # noqa: E731
+    final = _compare(no_grads(_named_state(deft_model, deft_optimizer)), no_grads(_named_state(ref_model, ref_optimizer)))
+    return {"steps": report, "final": final, "options": dict(plan.options),
+            "delayed_items": sum(1 for item in plan.items if item.delay),
+            "next_forward_items": sum(1 for item in step.items if item.apply == APPLY_NEXT_FORWARD),
+            "items": len(plan.items), "pending_after_flush": step.pending}
+
+
+def closed_loop_hybrid_run(rank: int, world_size: int, steps: int, priority_schedule: bool = True) -> dict:
+    """deft starts synchronous (as it does before the Preserver's first trade) and its closed loop settles on a
+    priority plan (``inject`` makes the priority plans 1 s faster than the rest); then a re-plan with delays (the
+    Preserver's trade, through ``switch_plan``) must carry the parameters it leaves synchronous on that priority
+    schedule, and still duel against the priority plan."""
+    from deft_compile.passes.schedule import APPLY_NEXT_FORWARD, APPLY_NEXT_UPDATE
+    from deft_compile.preserver import PreserverConfig
+    from deft_compile.step.closed_loop import PRIORITY_POLICIES
+
+    model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
+    config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
+                        plan_options={"max_staleness": 0},
+                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=1, measure_steps=2, duel_rounds=2,
+                                                     duel_steps=1, priority_schedule=priority_schedule))
+    step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
+    step.closed_loop.inject = lambda plan: 1000.0 if plan.policy in PRIORITY_POLICIES else 2000.0
+    initial_options, replan, settled_policy = None, None, None
+    for t in range(steps):
+        step(*batches[t])
+        initial_options = initial_options or dict(step.plan.options)
+        if step.closed_loop.state == "settled" and replan is None:
+            settled_policy = step.plan.policy
+            step.switch_plan({**initial_options, "max_staleness": 1}, "test: a re-plan with delays after settling")
+            applies = sorted({item.apply for item in step.items})
+            replan = {"options": dict(step.plan.options), "delayed": sum(1 for item in step.plan.items if item.delay),
+                      "applies": applies, "hash": step.plan.hash()}
+    step.flush()
+    return {"settled_policy": settled_policy, "replan": replan, "final_policy": step.plan.policy,
+            "state": step.closed_loop.state, "priority_schedule": step.closed_loop.priority_schedule,
+            "next_forward": APPLY_NEXT_FORWARD, "next_update": APPLY_NEXT_UPDATE,
+            "history": [{k: v for k, v in h.items()} for h in step.plan_history]}

@@ -90,6 +90,11 @@ class ClosedLoopConfig:
             synchronous plan runs whenever the decision is synchronous, and
             is what a plan with delays must beat. Not with loss scaling (its
             skipped updates are not tested with per-layer updates).
+        priority_schedule: once a priority plan is the synchronous plan
+            settled on, later ``deft`` re-plans with delays (the Preserver's
+            trades) carry the parameters they leave synchronous on its
+            schedule (``synchronous_schedule``, ``planner.solvers.hybrid``)
+            instead of DDP's buckets waited for at the end of backward.
     """
 
     enabled: bool | None = None
@@ -101,6 +106,7 @@ class ClosedLoopConfig:
     duel_steps: int = 3
     duel_margin: float = 0.25
     priority_candidate: bool = True
+    priority_schedule: bool = True
 
     def active_for(self, policy: str, profile_given: bool = False) -> bool:
         return self.enabled if self.enabled is not None else (policy == "deft" and not profile_given)
@@ -245,12 +251,19 @@ class ClosedLoop:
         self._refined = False
         self._initial = None  # the plan measured first: the refined re-plan solves with its options
         self.gap = 0.0
+        # the priority schedule (ByteScheduler's, US-Byte's) of the fastest measured synchronous plan, if one is:
+        # later deft re-plans carry their synchronous parameters on it (``adjust_options``)
+        self.priority_schedule: str | None = None
 
     # -- hooks called by CompiledStep -------------------------------------------------
     def adjust_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Solver options for a re-plan by someone else (the Preserver): synchronous once that won."""
+        """Solver options for a re-plan by someone else (the Preserver): synchronous once that won; and, once a
+        priority plan measured fastest of the synchronous plans, its schedule for the parameters a plan with
+        delays leaves synchronous (``synchronous_schedule``, ``planner.solvers.hybrid``)."""
         if self.synchronous_only:
-            return {**options, "max_staleness": 0, "allow_period": False}
+            options = {**options, "max_staleness": 0, "allow_period": False}
+        if self.priority_schedule is not None and "synchronous_schedule" not in options:
+            options = {**options, "synchronous_schedule": self.priority_schedule}
         return options
 
     def after_step(self, step, seconds: float, measurable: bool = True) -> None:
@@ -409,6 +422,27 @@ class ClosedLoop:
         for its gradients in flight (``CompiledStep.control_group``; docs/BENCHMARKS.md, session 9)."""
         return min(((p, ms) for p, ms in self.measured.values() if _is_synchronous(p)), key=lambda e: e[1])
 
+    def _measured_priority_schedule(self, step, settled) -> str | None:
+        """The priority schedule of the synchronous plan settled on, or, settling on a plan with delays, the one
+        it carries or else that of the fastest measured synchronous plan (None for DDP's buckets).
+
+        Why: that measurement says the next forward hides more of the synchronous communication than the end of
+        backward does; a plan with delays (the Preserver's trade) leaves parameters synchronous, and carrying them
+        on the same schedule keeps that gain beside the delays (``planner.solvers.hybrid``). The plan with delays
+        still has to win its duel against the fastest synchronous plan. One link only.
+        """
+        if not self.config.priority_schedule or step.policy != "deft" or len(step.profile.links) != 1:
+            return None
+
+        def schedule_of(plan) -> str | None:
+            return plan.policy if plan.policy in PRIORITY_POLICIES else plan.options.get("synchronous_schedule")
+
+        if _is_synchronous(settled) or schedule_of(settled) is not None:
+            return schedule_of(settled)
+        if not any(_is_synchronous(p) for p, _ in self.measured.values()):
+            return None
+        return schedule_of(self._fastest_synchronous()[0])
+
     def _candidates(self, step) -> dict[str, dict[str, Any]]:
         from deft_compile.planner.stability import predicted_ms
 
@@ -420,6 +454,7 @@ class ClosedLoop:
 
     def _settle(self, step, plan, ms: float, why: str, **extra: Any) -> None:
         self.synchronous_only = _is_synchronous(plan) and any(not _is_synchronous(p) for p, _ in self.measured.values())
+        self.priority_schedule = self._measured_priority_schedule(step, plan)
         self.state = "settled"
         self.duel = None
         extra = {"candidates": self._candidates(step), **extra}

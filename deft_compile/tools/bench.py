@@ -11,7 +11,9 @@ interleaved blocks:
 * one ``deft_compile`` step per ``--policies`` entry (``deft`` with its default
   Preserver and solver options; ``deft-no-preserver`` is ``deft`` with
   ``PreserverConfig(enabled=False)``: the schedule's speed when no convergence
-  guard vetoes a delay, the closed loop still deciding by measurement).
+  guard vetoes a delay, the closed loop still deciding by measurement;
+  ``deft-bucket-sync`` is ``deft`` with ``ClosedLoopConfig(priority_schedule=False)``:
+  its plans with delays keep DDP's buckets for the parameters they leave synchronous).
 
 The network: ``--bandwidth none`` runs on the machine's loopback, unshaped;
 a rate (``1gbit``, ``200mbit``) runs the workers in a private network namespace
@@ -49,10 +51,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 MiB = 1 << 20
-POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver")
-# Bench variants that are a policy with other settings: name -> (policy, PreserverConfig fields besides the
-# defaults). Plain data, so the parent process needs no torch import.
-POLICY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"deft-no-preserver": ("deft", {"enabled": False})}
+POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver", "deft-bucket-sync")
+# Bench variants that are a policy with other settings: name -> (policy, {"preserver" or "closed_loop": fields of
+# that config besides the defaults}). Plain data, so the parent process needs no torch import.
+POLICY_VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
+    "deft-no-preserver": ("deft", {"preserver": {"enabled": False}}),
+    # deft whose plans with delays keep DDP's buckets for what they leave synchronous (sessions before 10)
+    "deft-bucket-sync": ("deft", {"closed_loop": {"priority_schedule": False}}),
+}
 DEFAULT_POLICIES = ("wfbp", "bytescheduler", "usbyte", "deft")
 COMPILED_DDP = "ddp-compiled"  # a baseline variant run_config accepts among its policies: torch.compile(DDP(model))
 # Kept here (not imported from bench_models) so that building the CLI parser does not import torch:
@@ -168,6 +174,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     from deft_compile import DeftConfig, deft_compile
     from deft_compile.tools.emulation import new_group
     from deft_compile.preserver import PreserverConfig
+    from deft_compile.step.closed_loop import ClosedLoopConfig
     from deft_compile.tools.bench_models import resolve_model
     from deft_compile.planner.profiler import measure_allreduce
 
@@ -201,11 +208,12 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
                 raise RuntimeError("the floor must train locally (one-rank group)")
             runners[name] = step
         else:
-            policy, preserver = POLICY_VARIANTS.get(name, (name, {}))
+            policy, settings = POLICY_VARIANTS.get(name, (name, {}))
             links = tuple(cfg["extra_links"]) if policy == "deft" else ()
             step = deft_compile(model, optimizer, preset.loss_fn, policy=policy,
                                 config=DeftConfig(links=links, compiler=cfg.get("compiler", "aten"),
-                                                  preserver=PreserverConfig(**preserver)))
+                                                  preserver=PreserverConfig(**settings.get("preserver", {})),
+                                                  closed_loop=ClosedLoopConfig(**settings.get("closed_loop", {}))))
             runners[name] = compiled[name] = step
 
     progress = None

@@ -17,6 +17,7 @@ from deft_compile.planner.solvers.bytescheduler import solve_bytescheduler
 from deft_compile.planner.solvers.deft import solve_deft
 from deft_compile.planner.solvers.dlcp import solve_dlcp
 from deft_compile.planner.solvers.dssync import dssync_partition, solve_dssync
+from deft_compile.planner.solvers.hybrid import PRIORITY_SOLVERS, with_priority_synchronous
 from deft_compile.planner.solvers.knapsack import knapsack_01, knapsack_time
 from deft_compile.planner.solvers.usbyte import solve_usbyte
 from deft_compile.planner.solvers.wfbp import solve_wfbp
@@ -37,6 +38,9 @@ SCHEDULING_POLICIES: tuple[str, ...] = ("wfbp", "bytescheduler", "usbyte", "deft
 def solve(profile: Profile, policy: str, **options: Any) -> Plan:
     """Plan for ``policy`` on ``profile``; options go to that policy's solver.
 
+    ``synchronous_schedule`` (``"bytescheduler"`` or ``"usbyte"``, ``policy="deft"`` only) carries the
+    parameters DeFT leaves synchronous on that priority schedule (``solvers.hybrid``).
+
     ``update_waits_for_all=True`` (set by the step for global-norm clipping and loss scaling) is for
     every policy: the plan records it and its prediction lets no update start before every gradient
     it applies arrived. The knapsacks need no change: a delayed bucket they place is hidden before
@@ -47,12 +51,15 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
     except KeyError:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}") from None
     waits_for_all = bool(options.pop(UPDATE_WAITS_FOR_ALL, False))
+    synchronous_schedule = options.pop("synchronous_schedule", None) if policy == "deft" else None
     plan = solver(profile, **options)
+    if synchronous_schedule is not None:  # DeFT's delayed buckets, the synchronous rest on a priority schedule
+        plan = with_priority_synchronous(profile, plan, synchronous_schedule)
     if waits_for_all:
         plan = dataclasses.replace(plan, options={**plan.options, UPDATE_WAITS_FOR_ALL: True})
         plan.predicted_iteration_ms = simulate(profile, plan, record=False, check=False).iteration_ms
     return plan
 
 
-__all__ = ["POLICIES", "SCHEDULING_POLICIES", "SOLVERS", "dssync_partition", "knapsack_01", "knapsack_time", "solve", "solve_bytescheduler",
-           "solve_deft", "solve_dlcp", "solve_dssync", "solve_usbyte", "solve_wfbp"]
+__all__ = ["POLICIES", "SCHEDULING_POLICIES", "SOLVERS", "dssync_partition", "knapsack_01", "knapsack_time", "PRIORITY_SOLVERS", "solve", "solve_bytescheduler",
+           "solve_deft", "solve_dlcp", "solve_dssync", "solve_usbyte", "solve_wfbp", "with_priority_synchronous"]
