@@ -9,7 +9,7 @@ import pytest
 
 from deft_compile.planner.zoo_profiles import build_profile
 from deft_compile.planner.solvers import solve
-from deft_compile.step.closed_loop import refine_scales, scaled_profile
+from deft_compile.step.closed_loop import ClosedLoopConfig, refine_scales, scaled_profile
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
 from workers import check_entry, closed_loop_run, control_group_run
@@ -176,3 +176,31 @@ def test_the_preserver_and_the_closed_loop_agree_on_a_group_beside_the_gradients
         assert report["control"] != report["data_parallel"], report
         assert report["used"] and set(report["used"]) == {report["control"]}, report
         assert report["control_waited_for"] <= 1 and report["data_parallel_waited_for"] >= 4, report
+
+
+def test_the_closed_loop_is_on_by_default_for_deft_and_the_priority_policies_with_a_measured_profile():
+    config = ClosedLoopConfig()
+    assert all(config.active_for(policy) for policy in ("deft", "bytescheduler", "usbyte"))
+    assert not any(config.active_for(policy) for policy in ("wfbp", "dssync", "dlcp"))
+    assert not config.active_for("bytescheduler", profile_given=True)
+    assert ClosedLoopConfig(enabled=True).active_for("wfbp", profile_given=True)
+
+
+@pytest.mark.parametrize("policy", ["bytescheduler", "usbyte"])
+def test_a_priority_policy_refines_its_profile_and_keeps_ddps_numbers(policy):
+    """Measured 50 ms slower than predicted: the loop scales the profile's compute up, tries the plan searched
+    again on it, and settles; the policy stays the same and every step is DDP's."""
+    from workers import priority_closed_loop_run
+
+    results = [r.value for r in run_local_workers(priority_closed_loop_run, 2, (policy, 14, 50.0), timeout_s=240)]
+    for rank, report in enumerate(results):
+        reasons = report["reasons"]
+        assert report["state"] == "settled", reasons
+        assert any("measured the initial plan" in r for r in reasons), reasons
+        assert "fastest measured plan" in reasons[-1], reasons
+        assert report["scales"][0] > 1.0, report["scales"]
+        assert report["final_policy"] == policy
+        for entry in report["steps"]:
+            check_entry(entry, True, f"{policy} rank {rank} step {entry['step']}")
+        check_entry(report["final"], True, f"{policy} rank {rank} after flush")
+    assert results[0]["reasons"] == results[1]["reasons"]

@@ -1143,3 +1143,29 @@ def closed_loop_hybrid_run(rank: int, world_size: int, steps: int, priority_sche
             "state": step.closed_loop.state, "priority_schedule": step.closed_loop.priority_schedule,
             "next_forward": APPLY_NEXT_FORWARD, "next_update": APPLY_NEXT_UPDATE,
             "history": [{k: v for k, v in h.items()} for h in step.plan_history]}
+
+
+def priority_closed_loop_run(rank: int, world_size: int, policy: str, steps: int, slower_ms: float) -> dict:
+    """A ByteScheduler or US-Byte step with its closed loop (``inject`` adds ``slower_ms`` to every measured step,
+    so the plan misses its prediction): the loop refines the profile, tries the plan re-tuned on it, settles on
+    the faster; every step gives DDP's numbers (updates deferred to the next forward compared with DDP's
+    previous step), and after ``flush`` all of them."""
+    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(
+        "mlp_dropout_sgd")
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=policy, profile=profile,
+                        config=DeftConfig(closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=1, measure_steps=2)))
+    step.closed_loop.inject = lambda plan: slower_ms
+    report = []
+    for t, (inputs, targets) in enumerate(batches):
+        entry, _ = _step_beside_ddp(step, rank, t, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer,
+                                    deft_model, deft_optimizer, deferred_grads=False)
+        entry.update(step=t)
+        report.append(entry)
+    step.flush()
+    final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+    return {"steps": report, "final": final, "state": step.closed_loop.state, "scales": list(step.closed_loop.scales),
+            "reasons": [h["reason"] for h in step.plan_history], "final_policy": step.plan.policy}

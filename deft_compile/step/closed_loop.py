@@ -18,6 +18,9 @@ overlap the model does not capture), the plan may be wrong. The loop:
    profile. The refined profile scales compute and link costs by the two
    factors that make the simulator best reproduce the measured times of the
    plans measured so far (a log-grid least squares on relative errors).
+   A ByteScheduler or US-Byte step (on by default for them too) has one candidate:
+   its own plan, searched again (partition size and credit; split layer and scale)
+   on the refined profile.
 3. ``duel``: the sequential measurements above are taken minutes apart on a
    machine whose load changes (a shared host, the other rank's process), so they
    only pick the best plan with delays or periods. That plan and the fastest
@@ -62,14 +65,25 @@ from typing import Any, Callable
 log = logging.getLogger("deft_compile")
 
 
+#: Plans with DDP's numbers whose waits and updates move to the next forward, input side first (docs/POLICIES.md).
+PRIORITY_POLICIES = ("bytescheduler", "usbyte")
+#: Policies whose steps run the closed loop by default (with a profile they measured themselves).
+CLOSED_LOOP_POLICIES = ("deft",) + PRIORITY_POLICIES
+
+
 @dataclass(frozen=True)
 class ClosedLoopConfig:
     """Knobs of closed-loop planning (``DeftConfig.closed_loop``).
 
     Attributes:
-        enabled: True/False, or None for "on for ``policy='deft'`` when the step
-            measures its own profile; off otherwise" (a profile the user gives
-            is taken as the user's decision and not refined).
+        enabled: True/False, or None for "on for ``policy='deft'``,
+            ``'bytescheduler'`` and ``'usbyte'`` when the step measures its own
+            profile; off otherwise" (a profile the user gives is taken as the
+            user's decision and not refined). For the priority policies the
+            loop refines the profile from the measured plan and re-tunes their
+            search (partition size and credit; split layer and scale) on it,
+            keeping the faster measured plan: ByteScheduler's paper tunes its
+            partition and credit online from measured step times.
         warmup_steps: steps after a plan change not measured (graphs compile).
         measure_steps: steps timed per plan (their median counts).
         tolerance: relative gap between measured and predicted step time above
@@ -109,7 +123,7 @@ class ClosedLoopConfig:
     priority_schedule: bool = True
 
     def active_for(self, policy: str, profile_given: bool = False) -> bool:
-        return self.enabled if self.enabled is not None else (policy == "deft" and not profile_given)
+        return self.enabled if self.enabled is not None else (policy in CLOSED_LOOP_POLICIES and not profile_given)
 
 
 def refine_scales(
@@ -189,8 +203,6 @@ def plan_step_ms(times_ms: list[float], period: int, cold: list[bool] | None = N
     return statistics.median(sum(cycle) / period for cycle in (warm or cycles))
 
 
-#: Plans with DDP's numbers whose waits and updates move to the next forward, input side first (docs/POLICIES.md).
-PRIORITY_POLICIES = ("bytescheduler", "usbyte")
 
 
 def _is_synchronous(plan) -> bool:
@@ -381,9 +393,11 @@ class ClosedLoop:
         self.scales = (a, b)
         step.profile = scaled_profile(base, a, b)
         # The initial plan's options, not the last trial's: that may be the synchronous candidate (solved with
-        # max_staleness=0) or a priority plan (another solver's options).
+        # max_staleness=0) or a priority plan (another solver's options). A priority policy's plan options are
+        # its search's results (partition size, credit, ...): it searches again on the refined profile.
         initial = self._initial or step.plan
-        refined = solve_stable(step.profile, step.policy, incumbent=initial, **dict(initial.options))
+        options = step.solver_options() if step.policy in PRIORITY_POLICIES else dict(initial.options)
+        refined = solve_stable(step.profile, step.policy, incumbent=initial, **options)
         log.info("closed loop: refined profile (compute x%.2f, link x%.2f, fit error %.1f%%)", a, b, 100 * error)
         if refined.hash() in (initial.hash(), step.plan.hash()):
             return None

@@ -547,7 +547,7 @@ class CompiledStep:
             if self._watched_by_preserver() and self._monitor is None:
                 # the Preserver's prior prices (the updates a period skips) shape the first plan already
                 self._monitor = PreserverMonitor(self, self._new_preserver())
-            options = self._monitor.preserver.options if self._monitor is not None else self._solver_options()
+            options = self._monitor.preserver.options if self._monitor is not None else self.solver_options()
             self.plan = solve(self.profile, self.policy, **options)
             log.info("plan (%s):\n%s", self.policy, self.plan.table(self.profile))
         record_plan(self.profile, self.plan, self.dump_dir if self.comm_group.rank == 0 else None)
@@ -571,7 +571,7 @@ class CompiledStep:
         return self.policy_runtime.watched_by_preserver and self.config.preserver.enabled
 
     def _new_preserver(self) -> Preserver:
-        options = self._solver_options()
+        options = self.solver_options()
         buckets = self.profile.buckets(options["first_bucket_bytes"], options["bucket_cap_bytes"])
         link = self.profile.links[0]
         costs = [link.cost(sum(self.profile.params[i].nbytes for i in bucket)) for bucket in buckets]
@@ -589,7 +589,9 @@ class CompiledStep:
                                is not None else not self._profile_given),
         )
 
-    def _solver_options(self) -> dict[str, Any]:
+    def solver_options(self) -> dict[str, Any]:
+        """The solver options of this step's own plan: the user's ``plan_options`` with what the configuration
+        implies (DDP bucket sizes, updates that wait for every gradient under clipping or loss scaling)."""
         options: dict[str, Any] = dict(self.config.plan_options)
         if self.config.max_grad_norm is not None or self.loss_scaler is not None:
             options.setdefault(UPDATE_WAITS_FOR_ALL, True)  # the gradient_guards pass makes updates wait for all

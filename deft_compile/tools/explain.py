@@ -50,7 +50,7 @@ def modelled_link(world_size: int, bandwidth_gbps: float, alpha_ms: float) -> Li
 
 def solver_options(policy: str, *, first_bucket_bytes: int, bucket_cap_bytes: int,
                    allow_period: bool = True) -> dict[str, Any]:
-    """The options ``CompiledStep._solver_options`` passes to ``solve`` (DDP bucket sizes), plus ``--no-period``."""
+    """The options ``CompiledStep.solver_options`` passes to ``solve`` (DDP bucket sizes), plus ``--no-period``."""
     options: dict[str, Any] = {}
     if policy in ("wfbp", "deft"):
         options["first_bucket_bytes"] = first_bucket_bytes
