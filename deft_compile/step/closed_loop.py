@@ -203,8 +203,6 @@ def plan_step_ms(times_ms: list[float], period: int, cold: list[bool] | None = N
     return statistics.median(sum(cycle) / period for cycle in (warm or cycles))
 
 
-
-
 def _is_synchronous(plan) -> bool:
     """No delays, no update periods, one link: DDP's numbers, whatever the schedule (wfbp, ByteScheduler, US-Byte)."""
     return all(item.delay == 0 and item.period == 1 and item.link == 0 for item in plan.items)
@@ -263,15 +261,15 @@ class ClosedLoop:
         self._refined = False
         self._initial = None  # the plan measured first: the refined re-plan solves with its options
         self.gap = 0.0
-        # the priority schedule (ByteScheduler's, US-Byte's) of the fastest measured synchronous plan, if one is:
+        # the priority schedule (ByteScheduler's, US-Byte's) of the plan settled on (``_measured_priority_schedule``):
         # later deft re-plans carry their synchronous parameters on it (``adjust_options``)
         self.priority_schedule: str | None = None
 
     # -- hooks called by CompiledStep -------------------------------------------------
     def adjust_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Solver options for a re-plan by someone else (the Preserver): synchronous once that won; and, once a
-        priority plan measured fastest of the synchronous plans, its schedule for the parameters a plan with
-        delays leaves synchronous (``synchronous_schedule``, ``planner.solvers.hybrid``)."""
+        """Solver options for a re-plan by someone else (the Preserver): synchronous once that won; and, once the
+        loop settled on a priority plan, its schedule for the parameters a plan with delays leaves synchronous
+        (``synchronous_schedule``, ``planner.solvers.hybrid``)."""
         if self.synchronous_only:
             options = {**options, "max_staleness": 0, "allow_period": False}
         if self.priority_schedule is not None and "synchronous_schedule" not in options:
