@@ -20,8 +20,7 @@ from workers import (
     _ddp_pair,
     _named_state,
     plan_schedule_by_name,
-    reference_and_deft,
-    synthetic_profile,
+    reference_case,
 )
 
 
@@ -50,12 +49,8 @@ def clip_with_ddp(rank: int, world_size: int, case: str, steps: int, max_norm: f
 def delayed_reference_run(rank: int, world_size: int, case: str, steps: int, options: str,
                           max_norm: float | None = None, accumulation: int = 1) -> dict:
     """deft with a delaying plan (and clipping / accumulation) against ``PlanReference`` of the same plan."""
-    (make_optimizer, make_batch, loss_fn, base,
-     ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
-    data = torch.Generator().manual_seed(1234 + rank)
-    batches = [make_batch(data) for _ in range(steps)]
-    scratch = copy.deepcopy(base)
-    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    loss_fn, ref_model, ref_optimizer, deft_model, deft_optimizer, batches, profile = reference_case(
+        case, rank, world_size, steps)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(plan_options=POLICY_OPTIONS[options], max_grad_norm=max_norm,
                                           accumulation_steps=accumulation))

@@ -450,17 +450,26 @@ def reference_and_deft(case: str):
             make_optimizer(deft_model))
 
 
-def compare_deft_with_delayed_reference(
-    rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9,
-    links: tuple[str, ...] = (), compiler: str | None = None, delayed_update: str = "averaged",
-) -> dict:
+def reference_case(case: str, rank: int, world_size: int, steps: int, comm_over_compute: float = 0.9,
+                   links: int = 1) -> tuple:
+    """``reference_and_deft(case)`` with this rank's ``steps`` batches and a synthetic profile of the model:
+    ``(loss_fn, ref_model, ref_optimizer, deft_model, deft_optimizer, batches, profile)``."""
     (make_optimizer, make_batch, loss_fn, base,
      ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
     scratch = copy.deepcopy(base)
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size, comm_over_compute,
-                                links=1 + len(links))
+                                links=links)
+    return loss_fn, ref_model, ref_optimizer, deft_model, deft_optimizer, batches, profile
+
+
+def compare_deft_with_delayed_reference(
+    rank: int, world_size: int, case: str, steps: int, options: str = "deft", comm_over_compute: float = 0.9,
+    links: tuple[str, ...] = (), compiler: str | None = None, delayed_update: str = "averaged",
+) -> dict:
+    loss_fn, ref_model, ref_optimizer, deft_model, deft_optimizer, batches, profile = reference_case(
+        case, rank, world_size, steps, comm_over_compute, links=1 + len(links))
     from deft_compile.preserver import PreserverConfig
 
     # the Preserver's prior prices the updates a period skips and may drop the period at this coverage rate;
@@ -1068,12 +1077,8 @@ def hybrid_vs_reference(rank: int, world_size: int, case: str, steps: int, sched
     from deft_compile.passes.schedule import APPLY_NEXT_FORWARD
     from deft_compile.preserver import PreserverConfig
 
-    (make_optimizer, make_batch, loss_fn, base,
-     ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
-    data = torch.Generator().manual_seed(1234 + rank)
-    batches = [make_batch(data) for _ in range(steps)]
-    scratch = copy.deepcopy(base)
-    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    loss_fn, ref_model, ref_optimizer, deft_model, deft_optimizer, batches, profile = reference_case(
+        case, rank, world_size, steps)
     # the input-side parameter kept synchronous, as the Preserver keeps what staleness harms most
     options = {**POLICY_OPTIONS["deft"], "synchronous_schedule": schedule, "keep_synchronous": [profile.params[-1].name]}
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
