@@ -36,7 +36,7 @@ from deft_compile.tools import bench  # noqa: E402
 
 SUITE_MODELS = ("vgg16-bn", "resnet50", "gpt2-small-hf", "bert-base-hf")
 QUICK_MODELS = ("vgg16-bn-tiny", "gpt2-hf-tiny")
-POLICIES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver", "deft-bucket-sync")
+POLICIES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver", "deft-priority-sync")
 BASELINES = (bench.COMPILED_DDP,)  # torch.compile(DDP(model)), beside eager DDP
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 
@@ -135,7 +135,8 @@ def check_targets(results: list[dict[str, Any]], emulated: bool) -> list[dict[st
             found.append((f"wfbp <= {WFBP_LIMIT:.2f}x DDP", f"{median:.3f} (worst {max(wfbp):.3f})",
                           median <= WFBP_LIMIT))
         # deft's targets; the same lines for deft without its Preserver say what the schedule alone reaches
-        for name in ("deft", "deft-no-preserver", "deft-bucket-sync"):
+        # deft-bucket-sync: session 10's name for the default, in its results files
+        for name in ("deft", "deft-no-preserver", "deft-bucket-sync", "deft-priority-sync"):
             deft = _per_launch(entry, name, "paired_vs_ddp")
             if deft:
                 median = statistics.median(deft)

@@ -215,4 +215,5 @@ def test_every_policy_variant_names_real_config_fields():
         assert set(settings) <= set(configs), settings
         for key, fields in settings.items():
             configs[key](**fields)
-    assert ClosedLoopConfig(**POLICY_VARIANTS["deft-bucket-sync"][1]["closed_loop"]).priority_schedule is False
+    assert ClosedLoopConfig(**POLICY_VARIANTS["deft-priority-sync"][1]["closed_loop"]).priority_schedule is True
+    assert ClosedLoopConfig().priority_schedule is False  # measured slower under Inductor: opt-in

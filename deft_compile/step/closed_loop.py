@@ -108,7 +108,10 @@ class ClosedLoopConfig:
             settled on, later ``deft`` re-plans with delays (the Preserver's
             trades) carry the parameters they leave synchronous on its
             schedule (``synchronous_schedule``, ``planner.solvers.hybrid``)
-            instead of DDP's buckets waited for at the end of backward.
+            instead of DDP's buckets waited for at the end of backward. Off by
+            default: measured no faster on the suite's CNNs and slower on its
+            transformers under Inductor (BERT-base 0.98x DDP against 0.85x;
+            docs/BENCHMARKS.md, session 10).
     """
 
     enabled: bool | None = None
@@ -120,7 +123,7 @@ class ClosedLoopConfig:
     duel_steps: int = 3
     duel_margin: float = 0.25
     priority_candidate: bool = True
-    priority_schedule: bool = True
+    priority_schedule: bool = False
 
     def active_for(self, policy: str, profile_given: bool = False) -> bool:
         return self.enabled if self.enabled is not None else (policy in CLOSED_LOOP_POLICIES and not profile_given)

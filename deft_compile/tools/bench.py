@@ -12,8 +12,8 @@ interleaved blocks:
   Preserver and solver options; ``deft-no-preserver`` is ``deft`` with
   ``PreserverConfig(enabled=False)``: the schedule's speed when no convergence
   guard vetoes a delay, the closed loop still deciding by measurement;
-  ``deft-bucket-sync`` is ``deft`` with ``ClosedLoopConfig(priority_schedule=False)``:
-  its plans with delays keep DDP's buckets for the parameters they leave synchronous).
+  ``deft-priority-sync`` is ``deft`` with ``ClosedLoopConfig(priority_schedule=True)``:
+  its plans with delays carry the parameters they leave synchronous on a priority schedule).
 
 The network: ``--bandwidth none`` runs on the machine's loopback, unshaped;
 a rate (``1gbit``, ``200mbit``) runs the workers in a private network namespace
@@ -51,13 +51,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 MiB = 1 << 20
-POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver", "deft-bucket-sync")
+POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver", "deft-priority-sync")
 # Bench variants that are a policy with other settings: name -> (policy, {"preserver" or "closed_loop": fields of
 # that config besides the defaults}). Plain data, so the parent process needs no torch import.
 POLICY_VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
     "deft-no-preserver": ("deft", {"preserver": {"enabled": False}}),
-    # deft whose plans with delays keep DDP's buckets for what they leave synchronous (sessions before 10)
-    "deft-bucket-sync": ("deft", {"closed_loop": {"priority_schedule": False}}),
+    # deft whose plans with delays carry what they leave synchronous on the settled priority schedule (session 10)
+    "deft-priority-sync": ("deft", {"closed_loop": {"priority_schedule": True}}),
 }
 DEFAULT_POLICIES = ("wfbp", "bytescheduler", "usbyte", "deft")
 COMPILED_DDP = "ddp-compiled"  # a baseline variant run_config accepts among its policies: torch.compile(DDP(model))
