@@ -269,14 +269,19 @@ def _step_beside_ddp(step, rank: int, t: int, inputs, targets, loss_fn, ddp, ddp
     torch.manual_seed(100 * rank + t)
     step(inputs, targets)
     deferred = _pending_param_names(step)
+    return _compare_deferred(_named_state(deft_model, deft_optimizer), before, after, deferred, deferred_grads), deferred
+
+
+def _compare_deferred(state: dict, before: dict, after: dict, deferred: set[str], deferred_grads: bool = True) -> dict:
+    """``state`` against ``after``, except the tensors of ``deferred`` parameters (whose update waits for the next
+    forward), against ``before``; ``deferred_grads=False`` leaves those parameters' ``.grad`` out."""
     expected = {k: (before if _owner(k) in deferred else after)[k] for k in after.keys() | before.keys()
                 if k in (before if _owner(k) in deferred else after)}
-    state = _named_state(deft_model, deft_optimizer)
     if not deferred_grads:
         kept = lambda k: not (k.startswith("grad:") and _owner(k) in deferred)  # noqa: E731
         expected = {k: v for k, v in expected.items() if kept(k)}
         state = {k: v for k, v in state.items() if kept(k)}
-    return _compare(state, expected), deferred
+    return _compare(state, expected)
 
 
 def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
@@ -954,18 +959,15 @@ def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     profile = profile if profile_given else None
-    # priority_schedule=False: the Preserver's synchronous baseline stays DDP's buckets, against which this
-    # profile's delays trade (a priority plan measured fastest makes the baseline that plan, and on this profile
-    # nothing then beats it by the trade's margin; tests/test_hybrid.py covers that path). An unreachable
-    # tolerance: the profile is never refined from this tiny model's noisy times, so the trades depend on the
-    # measured gradients alone (refined between two measurements, it made a second, different trade in 2 of 4
-    # runs of the code before session 10)
+    # An unreachable tolerance: the profile is never refined from this tiny model's noisy times, so the trades
+    # depend on the measured gradients alone (refined between two measurements, it made a second, different
+    # trade in 2 of 4 runs of the code before session 10)
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
                                           preserver=PreserverConfig(start_synchronous=start_synchronous),
                                           closed_loop=ClosedLoopConfig(enabled=closed_loop, warmup_steps=2,
                                                                        measure_steps=3, duel_rounds=4, duel_steps=3,
-                                                                       priority_schedule=False, tolerance=1e9)))
+                                                                       tolerance=1e9)))
     step(*batches[0])
     resolved = step.preserver.start_synchronous
     for t in range(1, steps):
@@ -1096,12 +1098,8 @@ def hybrid_vs_reference(rank: int, world_size: int, case: str, steps: int, sched
         next_forward = {item.id for item in step.items if item.apply == APPLY_NEXT_FORWARD} & set(step.pending)
         deferred = {step.profile.params[s.param].name for item in step.plan.items if item.id in next_forward
                     for s in item.slices}
-        expected = {k: (before if _owner(k) in deferred else after)[k] for k in after.keys() | before.keys()
-                    if k in (before if _owner(k) in deferred else after) and not (k.startswith("grad:")
-                                                                                   and _owner(k) in deferred)}
-        state = {k: v for k, v in _named_state(deft_model, deft_optimizer).items()
-                 if not (k.startswith("grad:") and _owner(k) in deferred)}
-        entry = _compare(state, expected)
+        entry = _compare_deferred(_named_state(deft_model, deft_optimizer), before, after, deferred,
+                                  deferred_grads=False)
         entry.update(step=t, deferred=len(deferred))
         report.append(entry)
     plan = step.plan
@@ -1110,7 +1108,8 @@ def hybrid_vs_reference(rank: int, world_size: int, case: str, steps: int, sched
     # parameters, buffers and optimizer state; not .grad, which the reference's flush clears for the
     # synchronous parameters and the step keeps (as DDP does)
     no_grads = lambda state: {k: v for k, v in state.items() if not k.startswith("grad:")}  # noqa: E731
-    final = _compare(no_grads(_named_state(deft_model, deft_optimizer)), no_grads(_named_state(ref_model, ref_optimizer)))
+    final = _compare(no_grads(_named_state(deft_model, deft_optimizer)),
+                     no_grads(_named_state(ref_model, ref_optimizer)))
     return {"steps": report, "final": final, "options": dict(plan.options),
             "delayed_items": sum(1 for item in plan.items if item.delay),
             "next_forward_items": sum(1 for item in step.items if item.apply == APPLY_NEXT_FORWARD),

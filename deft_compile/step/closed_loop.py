@@ -62,11 +62,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from deft_compile.planner.solvers.hybrid import PRIORITY_SOLVERS
+
 log = logging.getLogger("deft_compile")
 
 
 #: Plans with DDP's numbers whose waits and updates move to the next forward, input side first (docs/POLICIES.md).
-PRIORITY_POLICIES = ("bytescheduler", "usbyte")
+PRIORITY_POLICIES = tuple(PRIORITY_SOLVERS)  # ("bytescheduler", "usbyte")
 #: Policies whose steps run the closed loop by default (with a profile they measured themselves).
 CLOSED_LOOP_POLICIES = ("deft",) + PRIORITY_POLICIES
 

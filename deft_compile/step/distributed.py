@@ -50,10 +50,10 @@ def open_side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
     Why: a backend works through one group's collectives in order (gloo: two at a time). Under ByteScheduler,
     US-Byte or a delayed plan, all-reduces of the previous step are still in flight when the next step starts
-    (and when the step returns). On the data-parallel group the buffer broadcast, waited before the forward, would queue behind
-    all of them, so the next forward could not start until every carried gradient had arrived, which is
-    exactly the overlap those plans are for; and a loss all-reduce after the step would wait there for all
-    of them, exposing the carried communication of that step in full. On its own group such a collective
+    (and when the step returns). On the data-parallel group the buffer broadcast, waited before the forward,
+    would queue behind all of them, so the next forward could not start until every carried gradient had
+    arrived, which is exactly the overlap those plans are for; and a loss all-reduce after the step would wait
+    there for all of them, exposing the carried communication of that step in full. On its own group such a collective
     only shares the link's bandwidth. A collective call on every rank of ``group``."""
     ranks = dist.get_process_group_ranks(group)
     return new_group(ranks=ranks, backend=dist.get_backend(group), timeout=group_timeout(group))

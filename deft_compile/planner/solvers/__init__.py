@@ -61,5 +61,6 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
     return plan
 
 
-__all__ = ["POLICIES", "SCHEDULING_POLICIES", "SOLVERS", "dssync_partition", "knapsack_01", "knapsack_time", "PRIORITY_SOLVERS", "solve", "solve_bytescheduler",
-           "solve_deft", "solve_dlcp", "solve_dssync", "solve_usbyte", "solve_wfbp", "with_priority_synchronous"]
+__all__ = ["POLICIES", "PRIORITY_SOLVERS", "SCHEDULING_POLICIES", "SOLVERS", "dssync_partition", "knapsack_01",
+           "knapsack_time", "solve", "solve_bytescheduler", "solve_deft", "solve_dlcp", "solve_dssync", "solve_usbyte",
+           "solve_wfbp", "with_priority_synchronous"]
