@@ -306,20 +306,22 @@ def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_sta
     20 the targets get noisy: the window loss doubles under any schedule. The steps since the best window are
     replayed from a copy taken there, with the delays that ran and synchronous; they end alike, so the signal
     is dismissed and the delays stay. (b) At a learning rate where staleness makes momentum SGD diverge, the
-    replay blames the delays and the Preserver steps down to a synchronous plan, and training recovers."""
+    replay blames the delays and the Preserver steps down to a synchronous plan, and training recovers. The
+    attribution budget is lifted: at step 20-45 a replay costs more than 5 % of the steps before it."""
     import math
 
     from deft_compile.tools.launcher import run_local_workers
     from workers import attribution_run
 
-    noisy = run_local_workers(attribution_run, 2, (0.002, 40, 20), timeout_s=240)[0].value
+    unlimited = {"attribution_budget": None}
+    noisy = run_local_workers(attribution_run, 2, (0.002, 40, 20, False, unlimited), timeout_s=240)[0].value
     assert noisy["dismissed"] and "staleness did not cause it" in noisy["dismissed"][0], noisy["dismissed"]
     assert "paired replay of the" in noisy["dismissed"][0]
     assert noisy["delayed_now"] > 0 and noisy["events"] == [], noisy["events"]
     assert [entry["reason"] for entry in noisy["history"]] == ["initial plan"]
     assert noisy["overheads"]["attribution_seconds"] > 0
 
-    unstable = run_local_workers(attribution_run, 2, (0.02, 45, None), timeout_s=240)[0].value
+    unstable = run_local_workers(attribution_run, 2, (0.02, 45, None, False, unlimited), timeout_s=240)[0].value
     assert any("paired replay of the" in event for event in unstable["events"]), unstable["events"]
     assert unstable["delayed_now"] == 0 and not unstable["dismissed"]
     assert math.isfinite(unstable["losses"][-1]) and unstable["losses"][-1] < 2.0, unstable["losses"]
@@ -339,7 +341,8 @@ def test_a_loss_rise_after_synchronous_steps_only_is_dismissed_without_a_replay(
 
 def test_without_the_replay_a_rise_after_stale_steps_steps_down():
     """``attribute_loss=None`` turns the replay off when the copy would exceed ``attribution_max_bytes``; the
-    noisy targets' rise after delayed steps then steps down unattributed, as ``attribute_loss=False`` does."""
+    noisy targets' rise after delayed steps then steps down unattributed, as ``attribute_loss=False`` does.
+    So does a replay (or copy) over ``attribution_budget``, and the decision says so."""
     from deft_compile.tools.launcher import run_local_workers
     from workers import attribution_run
 
@@ -347,6 +350,12 @@ def test_without_the_replay_a_rise_after_stale_steps_steps_down():
         run = run_local_workers(attribution_run, 2, (0.002, 40, 20, False, options), timeout_s=240)[0].value
         assert run["events"] and not run["dismissed"], (options, run["events"], run["dismissed"])
         assert "paired replay" not in run["events"][0] and run["overheads"]["attribution_seconds"] == 0
+
+    run = run_local_workers(attribution_run, 2, (0.002, 40, 20, False, {"attribution_budget": 0.001}),
+                            timeout_s=240)[0].value
+    assert run["events"] and not run["dismissed"], (run["events"], run["dismissed"])
+    assert "no paired replay" in run["events"][0] and "over its budget of 0%" in run["events"][0], run["events"]
+    assert "paired replay of the" not in run["events"][0]
 
 
 def test_replay_of_a_model_that_returns_its_loss_with_keyword_inputs():

@@ -138,6 +138,13 @@ class PreserverConfig:
             that the copy is dropped and a signal is acted on unattributed.
         attribution_max_bytes: the largest copy ``attribute_loss=None`` makes
             (1 GiB): larger models keep their memory and step down unattributed.
+        attribution_budget: the copies and paired replays never take more than
+            this share of the steps' own time so far (0.05, as ``probe_budget``;
+            :mod:`deft_compile.preserver.budget`). A signal whose replay would
+            cross it is acted on unattributed, and a copy that would is not
+            taken. Early in a run, when one replay can cost more than all the
+            steps before it, signals after stale steps therefore step down
+            unattributed. None: no limit.
         start_synchronous: trade mode: no delays until staleness prices exist
             (a full window of ``staleness_window`` measurements: step
             ``staleness_every``, 25 by default); the first plan is synchronous
@@ -169,6 +176,7 @@ class PreserverConfig:
     attribute_loss: bool | None = None
     attribution_max_steps: int = 60
     attribution_max_bytes: int = 1 << 30
+    attribution_budget: float | None = 0.05
 
     def __post_init__(self) -> None:
         if self.divergence_factor <= 1.0:
@@ -183,6 +191,8 @@ class PreserverConfig:
             raise ValueError("attribution_max_steps must be at least 1")
         if self.staleness_window < 1:
             raise ValueError("staleness_window must be at least 1")
+        if self.attribution_budget is not None and self.attribution_budget < 0:
+            raise ValueError("attribution_budget must be >= 0 (or None: no limit)")
         if self.staleness_price < 0 or self.probe_budget < 0 or self.probe_backoff < 1 or self.trade_margin < 0:
             raise ValueError("staleness_price and probe_budget must be >= 0 and probe_backoff >= 1")
 

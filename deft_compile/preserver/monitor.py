@@ -10,11 +10,15 @@ forward/backward passes, see :mod:`deft_compile.preserver.staleness`), then all-
 two numbers per bucket. With ``attribute_loss`` it copies the state before the
 first stale step after each new best loss window and keeps the minibatches since;
 after a finite loss signal it replays them with and without the staleness that ran
-(:mod:`deft_compile.preserver.attribution`), then all-reduces two numbers.
+(:mod:`deft_compile.preserver.attribution`), then all-reduces two numbers. Copies and
+replays stay within ``attribution_budget`` of the steps' own time
+(:mod:`deft_compile.preserver.budget`); the loss window's all-reduce carries the
+five numbers that budget is judged by.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Callable, Protocol
@@ -26,6 +30,7 @@ import torch.nn as nn
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
 from deft_compile.planner.plan import Plan, Profile
 from deft_compile.preserver.attribution import Schedule, Snapshot, kept_batch, lag_steps, loss_over, replay
+from deft_compile.preserver.budget import FORWARD_SHARE, AttributionBudget
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
@@ -79,18 +84,27 @@ class PreserverMonitor:
         self._attribute: bool | None = None  # attribute_loss, resolved at the first best window
         self._copy_wanted = False  # copy the state before the next stale step (a new best window has passed)
         self._schedule_of: tuple[Any, Schedule] = (None, {})  # (step.items, the schedule those items run)
-        self.attribution_seconds = 0.0  # wall-clock time spent on copies and paired replays
+        # copies and replays against the steps' own time (attribution_budget); why the last copy was not taken
+        self.budget = AttributionBudget(self.config.attribution_budget)
+        self._no_copy_because = ""
+
+    @property
+    def attribution_seconds(self) -> float:
+        """Wall-clock time spent on copies, kept minibatches and paired replays."""
+        return self.budget.spent_seconds
 
     def state_dict(self) -> dict:
-        """The Preserver's state plus the open loss window, so a resumed run decides as an unbroken one (the copy
-        for a paired replay is not saved: a signal before the next best window is acted on unattributed)."""
+        """The Preserver's state plus the open loss window and the attribution budget, so a resumed run decides
+        as an unbroken one (the copy for a paired replay is not saved: a signal before the next best window is
+        acted on unattributed)."""
         return {**self.preserver.state_dict(), "loss_sum": self._loss_sum, "loss_count": self._loss_count,
-                "recent_losses": list(self._recent_losses)}
+                "recent_losses": list(self._recent_losses), "attribution_budget": self.budget.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.preserver.load_state_dict(state)
         self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
         self._recent_losses = [float(v) for v in state["recent_losses"]]
+        self.budget.load_state_dict(state.get("attribution_budget", {}))
 
     @staticmethod
     def _staleness(item) -> float:
@@ -159,7 +173,9 @@ class PreserverMonitor:
             self.step.model, state.param_names, self._before, state.params, dict(zip(state.buffer_names, state.buffers)),
             self.step.loss_fn, args, kwargs, watched, metric,
         )
-        probe_ms = 1e3 * (time.perf_counter() - started + self._clone_seconds)
+        recomputed = time.perf_counter() - started
+        self.budget.pass_seconds = recomputed / 2  # the gradient at two weights: a paired replay's unit of work
+        probe_ms = 1e3 * (recomputed + self._clone_seconds)
         means = self._all_rank_mean([change.get(p, (0.0, 0.0))[k] for k in (0, 1) for p in watched] + [probe_ms])
         n = len(watched)
         return {state.param_names[p]: (means[i], means[n + i]) for i, p in enumerate(watched)}, means[-1]
@@ -220,8 +236,13 @@ class PreserverMonitor:
         dist.all_reduce(tensor, group=self.step.control_group)
         return (tensor / self.step.world_size).tolist()
 
-    def after_step(self, loss: torch.Tensor, args: tuple, kwargs: dict) -> PreserverEvent | None:
-        """Called after every step with the step's inputs; may re-plan (through ``CompiledStep.switch_plan``)."""
+    def after_step(self, loss: torch.Tensor, args: tuple, kwargs: dict,
+                   step_seconds: float | None = None) -> PreserverEvent | None:
+        """Called after every step with the step's inputs and its own time (None for a step that ran a graph
+        cold: not counted in the attribution budget's training time); may re-plan (through
+        ``CompiledStep.switch_plan``)."""
+        if step_seconds is not None:
+            self.budget.count_step(step_seconds)
         value = float(loss)
         step_count = self.step.step_count  # steps done, including this one
         if self._probe is not None:
@@ -246,9 +267,9 @@ class PreserverMonitor:
             if event is not None:
                 self._apply(event, step_down=False)
         if event is None and step_count % self.config.check_every == 0:
-            mean_loss = self._all_rank_mean([self._loss_sum / self._loss_count])[0]
+            means = self._all_rank_mean([self._loss_sum / self._loss_count] + self.budget.numbers())
             self._loss_sum, self._loss_count = 0.0, 0
-            event = self._on_loss_window(step_count, mean_loss)
+            event = self._on_loss_window(step_count, means[0], self.budget.agreed(means[1:]))
         if (
             event is None
             and self.config.probe_every > 0
@@ -261,43 +282,64 @@ class PreserverMonitor:
                                   "Preserver probe: synchronous reference window")
         return event
 
-    def _on_loss_window(self, step_count: int, mean_loss: float) -> PreserverEvent | None:
+    def _on_loss_window(self, step_count: int, mean_loss: float, agreed: AttributionBudget) -> PreserverEvent | None:
         """A loss window ended: on a signal, step down unless the rise is not staleness's: nothing stale ran
-        since the best window, or (``attribute_loss``) the paired replay of those steps says so. A loss that is
-        not finite steps down at once."""
+        since the best window, or (``attribute_loss``) the paired replay of those steps says so, if the replay
+        fits the attribution budget (``agreed``: every rank's numbers averaged, so all decide alike). A loss
+        that is not finite steps down at once."""
         best = self.preserver.best_loss
         signal = self.preserver.loss_signal(step_count, mean_loss)
         if signal is None:
             if self.preserver.best_loss != best:  # a new best window: the replay starts here
-                self._restart_since_best()
+                self._restart_since_best(agreed)
             return None
         since = self._since_best
         if signal.finite and not self._stale_since_best:
             self.preserver.dismiss(step_count, signal, "no step since the best window ran a delay or an update period")
-            self._restart_since_best()
+            self._restart_since_best(agreed)
             return None
         event = None
         if signal.finite and since is not None and since["batches"]:
-            started = time.perf_counter()
-            stale, synchronous = self._paired_replay(since)
-            self.attribution_seconds += time.perf_counter() - started
-            event = self.preserver.attribute(signal, step_count, stale, synchronous, len(since["batches"]))
-            if event is None:
-                self._restart_since_best()
+            trained, evaluated, lagged = self._replay_passes(since)
+            predicted = agreed.replay_seconds(trained, evaluated)
+            if agreed.affords(predicted):
+                started = time.perf_counter()
+                stale, synchronous = self._paired_replay(since, lagged, evaluated // 2)
+                seconds = time.perf_counter() - started
+                self.budget.spend(seconds)
+                self.budget.pass_seconds = seconds / (trained + FORWARD_SHARE * evaluated)
+                event = self.preserver.attribute(signal, step_count, stale, synchronous, len(since["batches"]))
+                if event is None:
+                    self._restart_since_best(agreed)
+            else:
+                event = self.preserver.act_on(dataclasses.replace(
+                    signal, reason=f"{signal.reason}; no paired replay: {self._over_budget(agreed, predicted)}"))
         else:
-            event = self.preserver.act_on(signal)
+            why = f"; no paired replay: {self._no_copy_because}" if signal.finite and self._no_copy_because else ""
+            event = self.preserver.act_on(dataclasses.replace(signal, reason=signal.reason + why))
         if event is not None:
             self._apply(event)
-            self._restart_since_best()
+            self._restart_since_best(agreed)
         return event
 
-    def _restart_since_best(self) -> None:
+    @staticmethod
+    def _over_budget(agreed: AttributionBudget, seconds: float) -> str:
+        share = (agreed.spent_seconds + seconds) / max(agreed.training_seconds, 1e-9)
+        return (f"{seconds:.3g} s more would take the loss attribution to {share:.1%} of the {agreed.training_seconds:.3g} s "
+                f"trained, over its budget of {agreed.share:.0%} (attribution_budget)")
+
+    def _restart_since_best(self, agreed: AttributionBudget) -> None:
         """The reference point moves here (a new best window, or a decision that measures the best anew). The
         copy for a paired replay is taken lazily, before the first stale step from here: steps before it are
-        synchronous in both arms alike, and a run that stays synchronous never pays for a copy."""
+        synchronous in both arms alike, and a run that stays synchronous never pays for a copy. No copy is
+        taken where the last one's time would exceed the attribution budget."""
         self._stale_since_best = False
         self._since_best = None
         self._copy_wanted = self._attributing()
+        self._no_copy_because = ""
+        if self._copy_wanted and not agreed.affords(agreed.copy_seconds):
+            self._copy_wanted = False
+            self._no_copy_because = f"no copy of the state was taken at the best window: {self._over_budget(agreed, agreed.copy_seconds)}"
 
     def _copy_before_first_stale_step(self) -> None:
         if not self._copy_wanted or self._probe is not None or not self.step.updates_at(self.step.step_count):
@@ -307,7 +349,8 @@ class PreserverMonitor:
         started = time.perf_counter()
         self._since_best = {"snapshot": Snapshot(self.step.model, self.step.optimizer), "batches": [], "schedules": []}
         self._copy_wanted = False
-        self.attribution_seconds += time.perf_counter() - started
+        self.budget.copy_seconds = time.perf_counter() - started
+        self.budget.spend(self.budget.copy_seconds)
 
     def _schedule_in_force(self) -> Schedule:
         """The schedule of the items the step runs now (cached per item list: it changes only with the plan)."""
@@ -344,7 +387,7 @@ class PreserverMonitor:
         started = time.perf_counter()
         since["batches"].append(kept_batch(args, kwargs))
         since["schedules"].append(schedule)
-        self.attribution_seconds += time.perf_counter() - started
+        self.budget.spend(time.perf_counter() - started)
 
     def _running_schedule(self) -> Schedule:
         """Parameter name -> (delay, period) of every parameter the running items make stale (a parameter split
@@ -359,12 +402,20 @@ class PreserverMonitor:
                     schedule[names[p]] = (max(old_delay, delay), max(old_period, item.period))
         return schedule
 
-    def _paired_replay(self, since: dict) -> tuple[float, float]:
-        """All-rank means of the stale arm's final loss and of the synchronous arm's loss its lag earlier."""
-        batches, schedules, snapshot = since["batches"], since["schedules"], since["snapshot"]
-        lagged = max(0, len(batches) - lag_steps(schedules))
-        clip, model, loss_fn = self.step.config.max_grad_norm, self.step.model, self.step.loss_fn
+    @staticmethod
+    def _replay_passes(since: dict) -> tuple[int, int, int]:
+        """A paired replay's work: forward and backward passes (both arms), forward passes (the two
+        evaluations), and the synchronous arm's steps (the stale arm's less its lag)."""
+        batches = since["batches"]
+        lagged = max(0, len(batches) - lag_steps(since["schedules"]))
         evaluate_on = min(len(batches), _REPLAY_EVALUATION_BATCHES)
+        return len(batches) + lagged, 2 * evaluate_on, lagged
+
+    def _paired_replay(self, since: dict, lagged: int, evaluate_on: int) -> tuple[float, float]:
+        """All-rank means of the stale arm's final loss and of the synchronous arm's loss its lag earlier
+        (``lagged`` steps), each over the last ``evaluate_on`` minibatches."""
+        batches, schedules, snapshot = since["batches"], since["schedules"], since["snapshot"]
+        clip, model, loss_fn = self.step.config.max_grad_norm, self.step.model, self.step.loss_fn
         stale = replay(model, snapshot, loss_fn, batches, schedules, clip, evaluate_on=evaluate_on)[len(batches)]
         if lagged > 0:
             synchronous = replay(model, snapshot, loss_fn, batches, {}, clip, (lagged,), evaluate_on)[lagged]

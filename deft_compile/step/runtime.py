@@ -231,10 +231,11 @@ class CompiledStep:
         # the plan's own time: without the Preserver's measurements (they cost the same whichever plan runs and
         # are priced by the Preserver itself), and not a step that ran a graph cold (compiling, or its first run)
         seconds = time.perf_counter() - started
+        measurable = self.lowering.cold_runs == cold_runs
         if self._monitor is not None:
-            self._monitor.after_step(outputs, args, kwargs)
+            self._monitor.after_step(outputs, args, kwargs, seconds if measurable else None)
         if self.closed_loop is not None:  # measured plans, refined profile (deft_compile.step.closed_loop)
-            self.closed_loop.after_step(self, seconds, measurable=self.lowering.cold_runs == cold_runs)
+            self.closed_loop.after_step(self, seconds, measurable=measurable)
         return outputs
 
     def _use_step_group(self, group: CommGroup | None) -> None:
