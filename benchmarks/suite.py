@@ -13,7 +13,8 @@ bytes; the link is shaped (``tc tbf`` in a network namespace, root needed) so th
 gradients takes ``CR x floor`` for each coverage rate CR in ``--coverage`` (default 1 and 2).
 Variants per launch (interleaved rounds in one process pair, ``deft_compile.tools.bench.run_config``):
 floor, torch DDP, torch.compile(DDP) (``--no-compiled-ddp`` leaves it out: its Inductor compile takes minutes
-per model on this CPU) and every policy. ``--launches`` launches (default 3) per (model, rate); the table gives
+per model on this CPU), the overlap bound (the floor's step with the whole gradient all-reduced beside it: the
+best hiding communication can do on this machine; ``bench.overlap_bound_step``) and every policy. ``--launches`` launches (default 3) per (model, rate); the table gives
 per variant the median over launches of the step time and of the paired ratio to DDP, with the spread
 (min-max over launches). The machine this runs on may be shared: read the spread.
 """
@@ -37,7 +38,9 @@ from deft_compile.tools import bench  # noqa: E402
 SUITE_MODELS = ("vgg16-bn", "resnet50", "gpt2-small-hf", "bert-base-hf")
 QUICK_MODELS = ("vgg16-bn-tiny", "gpt2-hf-tiny")
 POLICIES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver", "deft-priority-sync")
-BASELINES = (bench.COMPILED_DDP,)  # torch.compile(DDP(model)), beside eager DDP
+# torch.compile(DDP(model)), beside eager DDP; the overlap bound (every gradient byte all-reduced beside the floor's
+# step: the best hiding communication can do on this machine)
+BASELINES = (bench.COMPILED_DDP, bench.OVERLAP_BOUND)
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 
 
@@ -157,6 +160,12 @@ def check_targets(results: list[dict[str, Any]], emulated: bool) -> list[dict[st
             if share:  # the Preserver measured something in the timed steps: say so, and the error with it
                 value += f" (Preserver {share:.0%} of the step; {whole[variant]:+.0%} with it)"
             found.append((f"simulator within {SIM_TOLERANCE:.0%} ({variant})", value, abs(error) <= SIM_TOLERANCE))
+        bound = _per_launch(entry, bench.OVERLAP_BOUND, "paired_vs_ddp")
+        if bound and target_cr is not None and target_cr <= 1.0:
+            # not a target of the issue: whether hiding communication can meet the 0.85x one on this machine
+            median = statistics.median(bound)
+            found.append((f"{DEFT_LIMIT_CR1:.2f}x DDP reachable by hiding ({bench.OVERLAP_BOUND} <= it)",
+                          f"{median:.3f}", median <= DEFT_LIMIT_CR1))
         bs, ub = (_per_launch(entry, name, "paired_vs_ddp") for name in ("bytescheduler", "usbyte"))
         if bs and ub:
             found.append(("usbyte <= bytescheduler (papers)", f"{statistics.median(ub):.2f} vs {statistics.median(bs):.2f}",
@@ -229,8 +238,8 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
         os.environ["DEFT_EMULATE_ACCELERATOR"] = "1"  # inherited by the spawned workers (deft_compile.tools.emulation)
     models = args.models or (QUICK_MODELS if args.quick else SUITE_MODELS)
     policies = list(args.policies or (("wfbp", "deft") if args.quick else POLICIES))
-    if not args.no_compiled_ddp and not args.quick:
-        policies = list(BASELINES) + policies
+    if not args.quick:
+        policies = [b for b in BASELINES if not (b == bench.COMPILED_DDP and args.no_compiled_ddp)] + policies
     shaping = bench.shaping_available() is None and not args.unshaped
     results = []
     for model in models:

@@ -42,7 +42,7 @@ def bench_run(tmp_path_factory):
     out = directory / "bench.json"
     png = directory / "bench.png"
     code = cli.main(["bench", "--models", f"mlp,{user_file}:tiny", "--bandwidth", "none", "--policies",
-                     "wfbp,deft,deft-no-preserver", "--steps", "2", "--rounds", "1", "--warmup", "2", "--json", str(out), "--plot", str(png),
+                     "wfbp,deft,deft-no-preserver,overlap-bound", "--steps", "2", "--rounds", "1", "--warmup", "2", "--json", str(out), "--plot", str(png),
                      "--no-progress", "--timeout", "240"])
     assert code == 0
     return json.loads(out.read_text()), png, user_file
@@ -53,7 +53,9 @@ def test_bench_json_has_ddp_and_floor_rows(bench_run):
     assert len(payload["runs"]) == 2
     run = payload["runs"][0]
     assert run["model"] == "mlp" and run["bandwidth"] is None and run["links"] == 1
-    assert list(run["rows"]) == ["floor", "ddp", "wfbp", "deft", "deft-no-preserver"]
+    assert list(run["rows"]) == ["floor", "ddp", "wfbp", "deft", "deft-no-preserver", "overlap-bound"]
+    # the overlap bound trains the floor's local step (its all-reduce of zeros beside it changes nothing)
+    assert run["losses"]["overlap-bound"] == run["losses"]["floor"]
     # the variant is the deft policy with the Preserver off; deft keeps its default Preserver
     assert run["preserver"] == {"wfbp": False, "deft": True, "deft-no-preserver": False}
     assert set(run["preserver_dismissed"]) == {"deft"} and isinstance(run["preserver_dismissed"]["deft"], list)
@@ -76,7 +78,7 @@ def test_bench_user_model(bench_run):
     assert run["model"] == f"{user_file}:tiny"
     assert run["batch_per_worker"] == 8                      # function.default_batch
     assert run["params"] == 16 * 32 + 32 + 32 * 4 + 4
-    assert set(run["rows"]) == {"floor", "ddp", "wfbp", "deft", "deft-no-preserver"}
+    assert set(run["rows"]) == {"floor", "ddp", "wfbp", "deft", "deft-no-preserver", "overlap-bound"}
     assert run["identical_ddp_wfbp"] is True
 
 

@@ -61,6 +61,7 @@ def test_targets_are_checked_from_every_launch_and_never_counted_met_when_not_ru
     assert not found["simulator within 20% (bytescheduler)"]["met"]  # -30 %
     assert found["usbyte <= bytescheduler (papers)"]["met"]
     assert not any("floor" in name for name in found)  # the floor target is for the emulation mode
+    assert not any("reachable" in name for name in found)  # the overlap bound did not run
     (emulated,) = suite.check_targets([entry], emulated=True)
     floor = next(t for t in emulated["targets"] if "floor" in t["target"])
     assert floor["met"] and floor["value"] == "1.120"
@@ -69,6 +70,24 @@ def test_targets_are_checked_from_every_launch_and_never_counted_met_when_not_ru
     (partial,) = suite.check_targets([entry], emulated=True)
     assert not any("deft" in t["target"] or "usbyte" in t["target"] for t in partial["targets"])
     assert "| m | 100mbit (1.05) | wfbp <= 1.02x DDP |" in suite.targets_table([partial])
+
+
+def test_the_overlap_bound_says_whether_hiding_communication_can_meet_the_target():
+    """``overlap-bound`` (the floor's step with the whole gradient all-reduced beside it) is the best hiding can
+    do: above 0.85x DDP the target is out of reach here, and the check says so; at CR 2 there is no target."""
+    suite = _load_suite()
+    entry = {"model": "m", "rate": "100mbit", "coverage_target": 1.0, "coverage_measured": 1.0,
+             "aggregate": {"floor": {}, "ddp": {}, "overlap-bound": {}},
+             "runs": [_launch(**{"overlap-bound": (r, None, None)}) for r in (0.88, 0.90, 0.86)]}
+    (check,) = suite.check_targets([entry], emulated=False)
+    (bound,) = [t for t in check["targets"] if "reachable" in t["target"]]
+    assert bound["value"] == "0.880" and not bound["met"]
+    entry["runs"] = [_launch(**{"overlap-bound": (r, None, None)}) for r in (0.6, 0.7, 0.65)]
+    (check,) = suite.check_targets([entry], emulated=False)
+    assert [t["met"] for t in check["targets"] if "reachable" in t["target"]] == [True]
+    entry["coverage_target"] = 2.0
+    (check,) = suite.check_targets([entry], emulated=False)
+    assert not any("reachable" in t["target"] for t in check["targets"])
 
 
 def test_simulator_error_is_taken_on_the_schedule_and_names_the_preservers_share():

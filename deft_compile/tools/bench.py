@@ -61,6 +61,10 @@ POLICY_VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
 }
 DEFAULT_POLICIES = ("wfbp", "bytescheduler", "usbyte", "deft")
 COMPILED_DDP = "ddp-compiled"  # a baseline variant run_config accepts among its policies: torch.compile(DDP(model))
+# A baseline variant run_config accepts among its policies: the floor's step with one all-reduce of the whole
+# gradient running beside it (``overlap_bound_step``): what perfect overlap of every byte would give on this machine.
+OVERLAP_BOUND = "overlap-bound"
+BASELINE_CHOICES = (COMPILED_DDP, OVERLAP_BOUND)  # what --policies also takes besides the policies
 # Kept here (not imported from bench_models) so that building the CLI parser does not import torch:
 # `deft-compile simulate` must work without it. tests/test_bench.py checks they match bench_models.
 MODEL_NAMES = ("mlp", "vgg", "resnet", "gpt2", "vgg11", "vgg16", "vgg19", "resnet18", "resnet50", "resnet101",
@@ -88,6 +92,29 @@ def preserver_seconds(runner: Any) -> float:
     if not overheads:
         return 0.0
     return float(overheads["probe_seconds"]) + float(overheads["attribution_seconds"])
+
+
+def overlap_bound_step(local_step: Callable[..., Any], gradient_bytes: int, group: Any) -> Callable[..., Any]:
+    """The fastest that a schedule all-reducing every gradient byte every step can run on this machine.
+
+    ``local_step`` is the floor's step (no communication); one all-reduce of ``gradient_bytes`` is launched
+    before it and waited for after it: every byte overlapped with the whole step, with no dependency, bucket
+    or flatten copy in the way. What it adds to the floor is what communicating costs even when perfectly
+    hidden: on CPU, gloo's copies, reductions and the loopback's kernel work take cores the compute needs
+    (in ``--emulate-accelerator`` they run on their own core, as on an accelerator). A plan below it sends
+    fewer bytes (update periods); a target below it cannot be met here by hiding communication."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = torch.zeros(max(1, gradient_bytes // 4))  # zeros: sums stay zero, the bytes are what count
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        loss = local_step(*args, **kwargs)
+        work.wait()
+        return loss
+
+    return run
 
 
 def eager_step(module: Any, optimizer: Any, loss_fn: Any):
@@ -187,6 +214,8 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     solo = [new_group(ranks=[r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes all
     control = new_group(ranks=list(range(world_size)))  # the warm-up's flags, beside the gradients in flight
+    # the overlap bound's all-reduce on a group of its own, its threads placed as a step's (emulation)
+    bound_group = new_group(ranks=list(range(world_size))) if OVERLAP_BOUND in cfg["variants"] else None
     allreduce_ms = measure_allreduce(None, [grad_bytes], repeats=cfg["link_repeats"], warmup=1)[0][1]
 
     runners: dict[str, Any] = {}
@@ -201,12 +230,12 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         elif name == COMPILED_DDP:  # torch.compile(DDP): Dynamo splits the graph at DDP's buckets (DDPOptimizer)
             ddp = nn.parallel.DistributedDataParallel(model)
             runners[name] = eager_step(torch.compile(ddp), optimizer, preset.loss_fn)
-        elif name == "floor":
+        elif name in ("floor", OVERLAP_BOUND):
             step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo,
                                 config=DeftConfig(compiler=cfg.get("compiler", "aten")))
             if step.world_size != 1:
                 raise RuntimeError("the floor must train locally (one-rank group)")
-            runners[name] = step
+            runners[name] = step if name == "floor" else overlap_bound_step(step, grad_bytes, bound_group)
         else:
             policy, settings = POLICY_VARIANTS.get(name, (name, {}))
             links = tuple(cfg["extra_links"]) if policy == "deft" else ()
@@ -721,9 +750,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICY_CHOICES]
+    unknown = [p for p in policies if p not in POLICY_CHOICES + BASELINE_CHOICES]
     if unknown:
-        print(f"unknown policies {unknown}; choose from {', '.join(POLICY_CHOICES)}", file=sys.stderr)
+        print(f"unknown policies {unknown}; choose from {', '.join(POLICY_CHOICES + BASELINE_CHOICES)}",
+              file=sys.stderr)
         return 2
     try:
         bandwidths = [parse_rate(b) for b in args.bandwidth.split(",")]
@@ -795,7 +825,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"comma-separated models (default {','.join(DEFAULT_MODELS)})")
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                         help=f"comma-separated deft_compile policies from {','.join(POLICY_CHOICES)} "
-                             f"(default {','.join(DEFAULT_POLICIES)}); torch DDP and the floor always run")
+                             f"(default {','.join(DEFAULT_POLICIES)}); torch DDP and the floor always run; "
+                             f"baselines: {COMPILED_DDP} (torch.compile(DDP)), {OVERLAP_BOUND} (the floor's step with "
+                             f"the whole gradient all-reduced beside it: the best hiding communication can do here)")
     parser.add_argument("--workers", type=int, default=2, help="local workers, one intra-op thread each (default 2)")
     parser.add_argument("--bandwidth", default=None,
                         help="comma-separated tc rates (1gbit, 200mbit) or 'none' for the unshaped loopback "
