@@ -24,3 +24,14 @@ def test_the_live_model_and_random_state_are_untouched():
     measure_node_times(captured, inputs, repeats=1)
     assert all(torch.equal(a, b) for a, b in zip(before, inputs))
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_the_contention_probe_agrees_across_ranks_and_reports_none_it_cannot_time():
+    """2 gloo workers: ``Profile.contention`` from a matmul loop beside one all-reduce is a share in [0, 1],
+    the same number on both ranks (each plans from it); a message too short to time reports 0."""
+    from deft_compile.tools.launcher import run_local_workers
+    from workers import contention_probe_run
+
+    results = [r.value for r in run_local_workers(contention_probe_run, 2, (), timeout_s=120)]
+    assert results[0] == results[1]
+    assert 0.0 <= results[0]["large"] <= 1.0 and results[0]["tiny"] == 0.0

@@ -322,3 +322,53 @@ def test_evaluator_matches_simulate_with_message_cpu_cost() -> None:
     assert value == pytest.approx(simulate(profile, plan, iterations=6, warmup=None).iteration_ms, rel=1e-6)
     free = dataclasses.replace(profile, message_cpu_ms=0.0)
     assert value > simulate(free, plan, iterations=6, warmup=None).iteration_ms
+
+
+def test_contention_charges_the_communication_that_overlaps_compute_by_hand() -> None:
+    """``Profile.contention`` γ: each ms a collective overlaps the compute stream costs γ ms more per step.
+    wfbp by hand (test_wfbp_timeline_by_hand): compute 0-6 per step, collectives [4, 8.5], [8.5, 10],
+    [10, 11.5]: 2 ms overlap (4-6), the rest is exposed: 11.5 + 0.5 x 2 = 12.5. DeFT's delayed plan
+    (test_deft_delayed_timeline_by_hand): [6.75, 11.25] lies in the forward and backward (4.5 ms),
+    [11.25, 12.75] in the backward (1.5 ms), [12.75, 14.25] while the step waits for it (0 ms):
+    8.25 + 0.5 x 6 = 11.25. Hiding communication gains less where it costs compute."""
+    profile = dataclasses.replace(three_param_profile(), contention=0.5)
+    plan = solve(profile, "wfbp", first_bucket_bytes=1000, bucket_cap_bytes=1000)
+    timeline = simulate(profile, plan)
+    assert timeline.contention_ms == pytest.approx(1.0)
+    assert timeline.iteration_ms == pytest.approx(12.5)
+    assert timeline.exposed_comm_ms == pytest.approx(6.5)
+
+    after = "before-update-next-step"
+    items = [CommItem(0, whole(0, 1000), window="forward-next", delay=1, order=0, wait_at=after,
+                      update_at="next-step", bucket=0),
+             CommItem(1, whole(2, 250), window="backward-next", delay=1, order=1, wait_at=after,
+                      update_at="next-step", bucket=2),
+             CommItem(2, whole(1, 250), order=2, bucket=1)]
+    delayed = dataclasses.replace(three_param_profile(update_ms=0.25), contention=0.5)
+    timeline = simulate(delayed, Plan("deft", items))
+    assert timeline.contention_ms == pytest.approx(3.0)
+    assert timeline.iteration_ms == pytest.approx(11.25)
+
+
+def test_no_contention_leaves_every_policy_as_it_was_and_it_never_helps() -> None:
+    rng = random.Random(11)
+    for _ in range(5):
+        profile = random_profile(rng)
+        for policy in ("wfbp", "bytescheduler", "usbyte", "deft"):
+            plan = solve_small(profile, policy)
+            plain = simulate(profile, plan)
+            assert plain.contention_ms == 0.0
+            contended = simulate(dataclasses.replace(profile, contention=0.4), plan)
+            assert contended.iteration_ms >= plain.iteration_ms - 1e-9
+            # at most γ x the link's busy time, at most γ x the compute time
+            bound = 0.4 * min(sum(plain.link_busy_ms), plain.compute_ms)
+            assert contended.contention_ms <= bound + 1e-6, (policy, contended.contention_ms, bound)
+
+
+def test_contention_is_saved_and_checked() -> None:
+    profile = dataclasses.replace(three_param_profile(), contention=0.25)
+    assert Profile.from_json(profile.to_json()).contention == 0.25
+    assert Profile.from_dict({k: v for k, v in three_param_profile().to_dict().items() if k != "contention"}).contention == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="contention"):
+            dataclasses.replace(profile, contention=bad)

@@ -1173,3 +1173,13 @@ def priority_closed_loop_run(rank: int, world_size: int, policy: str, steps: int
     final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
     return {"steps": report, "final": final, "state": step.closed_loop.state, "scales": list(step.closed_loop.scales),
             "reasons": [h["reason"] for h in step.plan_history], "final_policy": step.plan.policy}
+
+
+def contention_probe_run(rank: int, world_size: int) -> dict:
+    """``measure_contention`` on the world group: a message long enough to time, and one too short."""
+    import torch.distributed as dist
+
+    from deft_compile.planner.profiler import measure_contention
+
+    group = dist.group.WORLD
+    return {"large": measure_contention(group, 64 << 20), "tiny": measure_contention(group, 64)}

@@ -199,6 +199,11 @@ class Profile:
     ``message_cpu_ms`` is the compute thread's own time per collective (launching
     it, waiting for it, the bucket's flatten and split ops; not the bytes, not the
     link): plans that send many small messages pay it on the critical path.
+    ``contention`` is the share of a collective's time that slows compute running
+    beside it (0: none, as on an accelerator; on a CPU host gloo's copies,
+    reductions and the loopback's kernel work take cores the compute needs, and
+    hiding communication behind compute is not free). The simulator adds
+    ``contention x`` the time communication overlaps compute to the step.
     """
 
     params: list[ParamProfile]
@@ -208,6 +213,7 @@ class Profile:
     extra_backward_ms: float = 0.0
     name: str = ""
     message_cpu_ms: float = 0.0
+    contention: float = 0.0
 
     def __post_init__(self) -> None:
         self.params = list(self.params)
@@ -227,6 +233,8 @@ class Profile:
                 raise ValueError(f"link {link.name} has a negative cost")
         if not self.message_cpu_ms >= 0:
             raise ValueError(f"message_cpu_ms must be >= 0, got {self.message_cpu_ms}")
+        if not 0.0 <= self.contention <= 1.0:
+            raise ValueError(f"contention must be in [0, 1], got {self.contention}")
 
     # -- totals ----------------------------------------------------------------
     @property
@@ -267,6 +275,7 @@ class Profile:
                 "extra_forward_ms": float(self.extra_forward_ms),
                 "extra_backward_ms": float(self.extra_backward_ms),
                 "message_cpu_ms": float(self.message_cpu_ms),
+                "contention": float(self.contention),
                 "links": [link.to_dict() for link in self.links],
                 "params": [p.to_dict() for p in self.params]}
 
@@ -278,7 +287,8 @@ class Profile:
                    extra_forward_ms=float(data["extra_forward_ms"]),
                    extra_backward_ms=float(data["extra_backward_ms"]),
                    name=str(data.get("name", "")),
-                   message_cpu_ms=float(data.get("message_cpu_ms", 0.0)))
+                   message_cpu_ms=float(data.get("message_cpu_ms", 0.0)),
+                   contention=float(data.get("contention", 0.0)))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -21,6 +21,8 @@ plan from the same profile. Per size, the link's time is the mean of the faster
 half of the repeats (``fast_mean``): robust to a busy moment on a shared machine.
 The compute thread's own cost per message (``Profile.message_cpu_ms``: launch,
 wait, flatten and split ops) is timed on tiny messages (``measure_message_cpu``).
+How much a collective slows compute beside it (``Profile.contention``) is timed
+with a matmul loop run alone and beside one all-reduce (``measure_contention``).
 """
 
 from __future__ import annotations
@@ -220,6 +222,62 @@ def measure_message_cpu(group: Any, messages: int = 24, repeats: int = 3) -> flo
     return _fastest_round_ms(round_seconds, group, repeats) / messages
 
 
+#: the message the contention probe all-reduces (at most): long enough on a slow link to time, short on a fast one
+CONTENTION_PROBE_BYTES = 32 << 20
+#: below this all-reduce time the probe cannot tell contention from noise, and reports none
+CONTENTION_MIN_COMM_MS = 5.0
+
+
+def measure_contention(group: Any, nbytes: int, repeats: int = 3) -> float:
+    """``Profile.contention``: the share of an all-reduce's time that slows compute running beside it.
+
+    Why: on a CPU host gloo's copies, reductions and the loopback's kernel work take cores the compute
+    needs, so communication hidden behind compute is not free (measured in the suite: the floor's step with
+    the whole gradient all-reduced beside it took 1.53x the floor on GPT-2, with the link busy 1.07x the
+    floor). On an accelerator, and in ``--emulate-accelerator`` where gloo's threads have their own core, it
+    is about 0. How: a loop of 128x128 matmuls sized to about twice the all-reduce's time runs alone and with
+    one all-reduce of ``nbytes`` (at most ``CONTENTION_PROBE_BYTES``) launched before it and waited for after
+    it, which it then overlaps completely: (with - alone) / all-reduce, the fastest of ``repeats`` rounds of
+    each, the slowest rank's, clipped to [0, 1]. An all-reduce under ``CONTENTION_MIN_COMM_MS`` cannot be told
+    from noise: 0. Every rank must call it."""
+    buffer = torch.zeros(max(1, min(nbytes, CONTENTION_PROBE_BYTES) // 4))
+
+    def allreduce_seconds() -> float:
+        started = time.perf_counter()
+        dist.all_reduce(buffer, group=group)
+        return time.perf_counter() - started
+
+    comm_ms = _fastest_round_ms(allreduce_seconds, group, repeats)
+    if comm_ms < CONTENTION_MIN_COMM_MS:
+        return 0.0
+    matrix = torch.randn(128, 128)
+    started = time.perf_counter()
+    for _ in range(20):
+        torch.mm(matrix, matrix)
+    per_mm_ms = max(1e-6, (time.perf_counter() - started) * 1e3 / 20)
+    count = torch.tensor([math.ceil(2.0 * comm_ms / per_mm_ms)], dtype=torch.float64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)  # every rank runs the same loop
+    matmuls = int(count.item())
+
+    def compute_seconds() -> float:
+        started = time.perf_counter()
+        for _ in range(matmuls):
+            torch.mm(matrix, matrix)
+        return time.perf_counter() - started
+
+    def overlapped_seconds() -> float:
+        started = time.perf_counter()
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        for _ in range(matmuls):
+            torch.mm(matrix, matrix)
+        work.wait()
+        return time.perf_counter() - started
+
+    alone_ms = _fastest_round_ms(compute_seconds, group, repeats)
+    overlapped_ms = _fastest_round_ms(overlapped_seconds, group, repeats)
+    return min(1.0, max(0.0, (overlapped_ms - alone_ms) / comm_ms))
+
+
 def _fastest_round_ms(round_seconds: Callable[[], float], group: Any, repeats: int) -> float:
     """Milliseconds of the fastest of ``repeats`` rounds (noise only adds time), each after a barrier, after one
     warm-up round; the slowest rank's, so every rank gets the same number."""
@@ -301,7 +359,7 @@ def agree_across_ranks(profile: Profile, group: dist.ProcessGroup) -> Profile:
         for mine, theirs in zip(merged["links"], other["links"]):
             for key in ("alpha_ms", "beta_ms_per_byte"):
                 mine[key] = max(mine[key], theirs[key])
-        for key in ("extra_forward_ms", "extra_backward_ms", "message_cpu_ms"):
+        for key in ("extra_forward_ms", "extra_backward_ms", "message_cpu_ms", "contention"):
             merged[key] = max(merged[key], other[key])
     return Profile.from_dict(merged)
 
@@ -331,7 +389,8 @@ def profile_step(
         links = [LinkCost("local", 0.0, 0.0)]
     profile = static_profile(captured, index, links, world_size, timings)
     if groups:
-        profile = dataclasses.replace(profile, message_cpu_ms=measure_message_cpu(groups[0][1]))
+        profile = dataclasses.replace(profile, message_cpu_ms=measure_message_cpu(groups[0][1]),
+                                      contention=measure_contention(groups[0][1], profile.total_bytes))
         profile = agree_across_ranks(profile, groups[0][1])
     return profile
 

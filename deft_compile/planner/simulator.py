@@ -17,6 +17,12 @@ Model, and why it is enough to rank plans:
   wait, the bucket's flatten and split ops) where it issues it: forward-next
   launches lengthen the forward, backward ones the backward (and delay the
   launches after them), exposed ones the time before the update.
+* Contention (``Profile.contention``, γ): on a CPU host a collective takes
+  cycles from the compute running beside it. After the recurrences, the time
+  each link's collectives overlap the compute stream's busy spans, per step,
+  is added to the step times γ (a first-order correction: what it delays
+  is not re-simulated, and the recorded spans do not show it; its share is
+  ``Timeline.contention_ms``). γ = 0 leaves the model as it was.
 * Period K: an item communicates for gradient steps j with
   ``j % K == period_offset`` only; its parameters update only then. The
   simulation therefore runs whole multiples of lcm(K) steps.
@@ -244,6 +250,8 @@ class Timeline:
     exposed_comm_ms: iteration_ms - compute_ms, the time the compute stream
         waited for communication.
     link_busy_ms: per link, all-reduce time per step.
+    contention_ms: what ``Profile.contention`` adds per step (included in
+        iteration_ms and exposed_comm_ms).
     """
 
     iteration_ms: float
@@ -255,6 +263,7 @@ class Timeline:
     measured: tuple[int, int]
     policy: str = ""
     link_names: list[str] = field(default_factory=list)
+    contention_ms: float = 0.0
     _model: _Model | None = field(default=None, repr=False)
     _records: list[_ProgramRecord] = field(default_factory=list, repr=False)
 
@@ -364,7 +373,7 @@ def simulate(
     if check:
         plan.validate(profile)
     model = _build_model(profile, plan)
-    timeline = _run(model, len(profile.links), iterations, warmup, record)
+    timeline = _run(model, len(profile.links), iterations, warmup, record, profile.contention)
     timeline.floor_ms = (profile.forward_ms + profile.backward_ms
                          + math.fsum(model.param_update / model.param_period))
     timeline.policy = plan.policy
@@ -372,8 +381,29 @@ def simulate(
     return timeline
 
 
+def _overlap_ms(compute: list[tuple[float, float]], comm: list[tuple[np.ndarray, np.ndarray]],
+                window: tuple[float, float]) -> float:
+    """Total time within ``window`` that the communication intervals (start and end arrays, any order, may
+    overlap each other: several links) overlap the compute spans (in time order, disjoint)."""
+    spans = np.array([s for s in compute if s[1] > s[0]], dtype=float).reshape(-1, 2)
+    if not len(spans) or not comm:
+        return 0.0
+    starts, ends = spans[:, 0], spans[:, 1]
+    before = np.concatenate([[0.0], np.cumsum(ends - starts)])  # compute time before each span starts
+
+    def compute_before(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(starts, t, side="right") - 1
+        inside = np.clip(t - starts[np.maximum(k, 0)], 0.0, (ends - starts)[np.maximum(k, 0)])
+        return np.where(k >= 0, before[np.maximum(k, 0)] + inside, 0.0)
+
+    lo, hi = window
+    a = np.clip(np.concatenate([s for s, _ in comm]), lo, hi)
+    b = np.clip(np.concatenate([e for _, e in comm]), lo, hi)
+    return float(np.sum(compute_before(b) - compute_before(a)))
+
+
 def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None,
-         record: bool) -> Timeline:
+         record: bool, contention: float = 0.0) -> Timeline:
     """The step loop of ``simulate`` on a prepared model."""
     cycle = model.cycle
     measure = max(2, iterations or 2 * cycle)
@@ -401,6 +431,8 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
     records: list[_ProgramRecord] = []
     now = 0.0
     message_cpu = model.message_cpu
+    compute_spans: list[tuple[float, float]] = []  # the compute stream's busy spans (contention)
+    comm_spans: list[tuple[np.ndarray, np.ndarray]] = []
     for program in range(total):
         forward_start = now
         grad_step = np.where(next_window, program - 1, program)
@@ -423,6 +455,13 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
         forward_end = float(layer_start[-1] + durations[-1]) + launches[0]
         backward_start = forward_end + model.extra_forward
         backward_end = backward_start + launches[1] + model.backward_total + launches[2]
+        if contention:  # the forward's layers (split where a layer waits), then loss and backward
+            layer_end = layer_start + durations
+            gap = np.flatnonzero(layer_start[1:] > layer_end[:-1] + 1e-12) + 1
+            first = np.concatenate([[0], gap])
+            last = np.concatenate([gap - 1, [n_layers - 1]])
+            compute_spans += list(zip(layer_start[first].tolist(), layer_end[last].tolist()))
+            compute_spans[-1] = (compute_spans[-1][0], backward_end)
         # -- collectives issued by this program ---------------------------------
         ready = backward_start + launches[1] + model.ready_offset
         if message_cpu:  # each backward launch delays the compute after it, and so the later launches
@@ -444,6 +483,8 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
             link_free[index] = max(link_free[index], float(link_end[-1]))
             ends[members] = np.where(on, link_end, -np.inf)
             starts[members] = link_end - cost
+            if contention and on.any():
+                comm_spans.append(((link_end - cost)[on], link_end[on]))
             if program >= warmup:
                 link_busy[index] += float(cost.sum())
         # -- update phase ---------------------------------------------------------
@@ -471,6 +512,8 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
                                                   & (prev_steps % model.param_period == 0)].sum())
         delayed_span = (now, now + delayed_ms)
         now += delayed_ms
+        if contention:
+            compute_spans += [sync_span, delayed_span]
         busy.append(float(durations.sum()) + model.extra_forward + model.backward_total
                     + sync_ms + delayed_ms + float(launches.sum()))
         forward_starts.append(now)
@@ -484,8 +527,13 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
 
     iteration = (forward_starts[total] - forward_starts[warmup]) / measure
     compute = math.fsum(busy[warmup:]) / measure
+    contention_ms = 0.0
+    if contention:
+        window = (forward_starts[warmup], forward_starts[total])
+        contention_ms = contention * _overlap_ms(compute_spans, comm_spans, window) / measure
+        iteration += contention_ms
     return Timeline(
-        iteration_ms=iteration, compute_ms=compute, floor_ms=math.nan,
+        iteration_ms=iteration, compute_ms=compute, floor_ms=math.nan, contention_ms=contention_ms,
         exposed_comm_ms=max(0.0, iteration - compute),
         link_busy_ms=[float(x) / measure for x in link_busy], forward_starts=forward_starts,
         measured=(warmup, total), _model=model if record else None, _records=records)
