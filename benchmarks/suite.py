@@ -244,7 +244,8 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for model in models:
         common = dict(policies=policies, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                      progress=False, label=model, timeout_s=args.timeout, compiler=args.compiler)
+                      progress=False, label=model, timeout_s=args.timeout, compiler=args.compiler,
+                      contention=None if args.measure_contention else 0.0)
         rates: list[tuple[str | None, float | None]] = [(None, None)]
         if shaping:
             rates = [(bench.calibrate_rate(model, cr, common)[0], cr) for cr in args.coverage]
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny models, few steps, 1 launch, wfbp and deft")
     parser.add_argument("--emulate-accelerator", action="store_true")
+    parser.add_argument("--measure-contention", action="store_true",
+                        help="the compiled variants measure Profile.contention (DeftConfig(contention=None))")
     parser.add_argument("--unshaped", action="store_true", help="do not shape links even as root")
     parser.add_argument("--models", nargs="*")
     parser.add_argument("--policies", nargs="*")

@@ -86,6 +86,15 @@ class DeftConfig(BucketSizes):
             optimizer state across ranks, so they are identical again (flush on
             every rank before saving a checkpoint). Not with
             ``accumulation_steps`` or ``loss_scale``.
+        contention: the measured profile's ``Profile.contention``, the share of a
+            collective's time that slows compute beside it (docs/PLANNER.md). 0
+            (default): an accelerator's. A number in [0, 1]: your host's. None:
+            measure it on the first step (``planner.profiler.measure_contention``).
+            Off by default because on a shared CPU host the probe is noisy: one
+            model on one link measured 0.09 to 0.75 across launches, so plans
+            followed the noise; with it on, the Preserver declined trades whose
+            predicted gain it cut (docs/BENCHMARKS.md, session 11). A profile you
+            give keeps its own.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -105,6 +114,7 @@ class DeftConfig(BucketSizes):
     closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
     compiler: str = field(default_factory=default_compiler)
     delayed_update: str = "averaged"
+    contention: float | None = 0.0
 
     def __post_init__(self) -> None:
         if self.delayed_update not in DELAYED_UPDATES:
@@ -128,6 +138,8 @@ class DeftConfig(BucketSizes):
                 )
         if self.max_cached_graphs < 1:
             raise ValueError("max_cached_graphs must be at least 1")
+        if self.contention is not None and not 0.0 <= self.contention <= 1.0:
+            raise ValueError(f"contention must be in [0, 1], or None to measure it; got {self.contention}")
         check_compiler(self.compiler, source="DeftConfig.compiler")
         from deft_compile.step.links import parse_link
 

@@ -35,3 +35,18 @@ def test_the_contention_probe_agrees_across_ranks_and_reports_none_it_cannot_tim
     results = [r.value for r in run_local_workers(contention_probe_run, 2, (), timeout_s=120)]
     assert results[0] == results[1]
     assert 0.0 <= results[0]["large"] <= 1.0 and results[0]["tiny"] == 0.0
+
+
+def test_the_step_takes_its_contention_from_the_config():
+    """``DeftConfig.contention``: 0 by default (an accelerator's), a given share as given, None measured (the
+    test's small model sends messages too short to time: 0). Out of [0, 1] is refused."""
+    import pytest
+
+    from deft_compile import DeftConfig
+    from deft_compile.tools.launcher import run_local_workers
+    from workers import contention_config_run
+
+    results = [r.value for r in run_local_workers(contention_config_run, 2, (), timeout_s=180)]
+    assert results[0] == results[1] == {"default": 0.0, "given": 0.25, "measured": 0.0}
+    with pytest.raises(ValueError, match="contention"):
+        DeftConfig(contention=1.5)

@@ -1183,3 +1183,17 @@ def contention_probe_run(rank: int, world_size: int) -> dict:
 
     group = dist.group.WORLD
     return {"large": measure_contention(group, 64 << 20), "tiny": measure_contention(group, 64)}
+
+
+def contention_config_run(rank: int, world_size: int) -> dict:
+    """The profile's contention under ``DeftConfig.contention``: 0 by default, a given number, or measured."""
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES["mlp_dropout_sgd"]
+    found = {}
+    for label, contention in (("default", 0.0), ("given", 0.25), ("measured", None)):
+        torch.manual_seed(0)
+        model = make_model()
+        step = deft_compile(model, make_optimizer(model), loss_fn, policy="deft",
+                            config=DeftConfig(contention=contention))
+        step(*make_batch(torch.Generator().manual_seed(rank)))
+        found[label] = step.profile.contention
+    return found

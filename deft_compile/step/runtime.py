@@ -538,7 +538,8 @@ class CompiledStep:
 
                     user_tensors, _, _ = split_user_inputs(args, kwargs)
                     inputs = self._graph_inputs(captured.graph_module.meta["deft_layout"], captured, user_tensors)
-                    self.profile = profile_step(captured, annotation, inputs, self._links, self.world_size)
+                    self.profile = profile_step(captured, annotation, inputs, self._links, self.world_size,
+                                                contention=self.config.contention)
                     log.info("profiled the step:\n%s", self.profile.to_json())
             if len(self.profile.links) != len(self._links):
                 raise DeftError(

@@ -241,6 +241,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
             links = tuple(cfg["extra_links"]) if policy == "deft" else ()
             step = deft_compile(model, optimizer, preset.loss_fn, policy=policy,
                                 config=DeftConfig(links=links, compiler=cfg.get("compiler", "aten"),
+                                                  contention=cfg.get("contention", 0.0),
                                                   preserver=PreserverConfig(**settings.get("preserver", {})),
                                                   closed_loop=ClosedLoopConfig(**settings.get("closed_loop", {}))))
             runners[name] = compiled[name] = step
@@ -581,12 +582,13 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
                batch: int | None = None, progress: bool = True, timeout_s: float = 900.0,
                include_ddp: bool = True, measured_timeline: str | None = None, prefix: str = "deftbench",
                label: str | None = None, network_info: dict[str, Any] | None = None,
-               compiler: str = "aten") -> dict[str, Any]:
+               compiler: str = "aten", contention: float | None = 0.0) -> dict[str, Any]:
     """One launch: every variant of one model on one network. Returns the run's record (rows, samples, plans).
 
     ``compiler`` runs the compiled variants' graphs (``DeftConfig.compiler``). ``"aten"`` by default here: the
     eager DDP baseline runs the same aten kernels, so ratios measure the communication schedule alone, and an
     Inductor compile of every graph variant costs about a minute each on a cold cache on this CPU.
+    ``contention`` is the compiled variants' ``DeftConfig.contention`` (None: measured).
     """
     from deft_compile.tools.launcher import run_local_workers
 
@@ -599,6 +601,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         cfg = {"model": model, "batch": batch, "variants": variants, "warmup": warmup, "rounds": rounds,
                "block": block, "progress": progress, "extra_links": list(net["extra_links"]), "batch_pool": 8,
                "link_repeats": 3, "measured_timeline": measured_timeline, "compiler": compiler,
+               "contention": contention,
                "label": label or f"{model} @ {bandwidth or 'unshaped'}"}
         results = run_local_workers(bench_worker, workers, (cfg,), timeout_s=timeout_s, collective_timeout_s=300.0,
                                     **net["launch"])
@@ -724,7 +727,7 @@ def _run_grid(args: argparse.Namespace, models: list[str], bandwidths: list[str 
             run = run_config(model, bandwidth, policies=policies, workers=args.workers, links=args.links,
                              bandwidth2=bandwidth2, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
                              batch=args.batch, progress=not args.no_progress, timeout_s=args.timeout,
-                             compiler=args.compiler)
+                             compiler=args.compiler, contention=None if args.measure_contention else 0.0)
             run["model_info"] = infos[model]
             if plot_path is not None and "deft" in policies:
                 png = plot_path.with_name(f"{plot_path.stem}_{_slug(model)}_{_slug(bandwidth or 'unshaped')}"
@@ -848,6 +851,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds before one launch's workers are killed (default 900; --time-to-accuracy: 6 h)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--measure-contention", action="store_true",
+                        help="the compiled variants measure Profile.contention on their first step "
+                             "(DeftConfig(contention=None)); default 0, an accelerator's")
     parser.add_argument("--compiler", choices=("aten", "inductor"), default="aten",
                         help="what runs the compiled variants' graphs (default aten: the same kernels as eager DDP, so "
                              "the ratios measure the schedule; inductor compiles each graph variant, about a minute "
