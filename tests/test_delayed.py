@@ -90,6 +90,9 @@ def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path, delayed_upd
         # the Preserver continues too: the measurement before the checkpoint (step 5) is kept, step 10 adds one
         assert expected["preserver"] is not None and expected["preserver"]["pricer"]["shares"], expected["preserver"]
         assert all(len(shares) == 2 for shares in expected["preserver"]["pricer"]["shares"].values())
+        # its attribution budget holds wall-clock seconds (never equal across runs): the steps it counted carry on
+        budgets = [run["preserver"].pop("attribution_budget") for run in (expected, actual)]
+        assert budgets[1]["steps"] == budgets[0]["steps"] > 5 and budgets[1]["training_seconds"] > 0
         assert actual["preserver"] == expected["preserver"]
 
 
