@@ -96,14 +96,19 @@ def test_usbyte_timeline_by_hand() -> None:
     assert timeline.iteration_ms == pytest.approx(10.5)
 
 
+def delayed_items() -> list[CommItem]:
+    """p0 delayed in forward-next, p2 delayed in backward-next, p1 synchronous (test_deft_delayed_timeline_by_hand)."""
+    after = "before-update-next-step"
+    return [CommItem(0, whole(0, 1000), window="forward-next", delay=1, order=0, wait_at=after,
+                     update_at="next-step", bucket=0),
+            CommItem(1, whole(2, 250), window="backward-next", delay=1, order=1, wait_at=after,
+                     update_at="next-step", bucket=2),
+            CommItem(2, whole(1, 250), order=2, bucket=1)]
+
+
 def test_deft_delayed_timeline_by_hand() -> None:
     profile = three_param_profile(update_ms=0.25)
-    after = "before-update-next-step"
-    items = [CommItem(0, whole(0, 1000), window="forward-next", delay=1, order=0, wait_at=after,
-                      update_at="next-step", bucket=0),
-             CommItem(1, whole(2, 250), window="backward-next", delay=1, order=1, wait_at=after,
-                      update_at="next-step", bucket=2),
-             CommItem(2, whole(1, 250), order=2, bucket=1)]
+    items = delayed_items()
     plan = Plan("deft", items)
     timeline = simulate(profile, plan)
     # step 0: forward 0-3, backward 3-6; only p1 (sync) communicates: ready 5 -> [5, 6.5];
@@ -338,12 +343,7 @@ def test_contention_charges_the_communication_that_overlaps_compute_by_hand() ->
     assert timeline.iteration_ms == pytest.approx(12.5)
     assert timeline.exposed_comm_ms == pytest.approx(6.5)
 
-    after = "before-update-next-step"
-    items = [CommItem(0, whole(0, 1000), window="forward-next", delay=1, order=0, wait_at=after,
-                      update_at="next-step", bucket=0),
-             CommItem(1, whole(2, 250), window="backward-next", delay=1, order=1, wait_at=after,
-                      update_at="next-step", bucket=2),
-             CommItem(2, whole(1, 250), order=2, bucket=1)]
+    items = delayed_items()
     delayed = dataclasses.replace(three_param_profile(update_ms=0.25), contention=0.5)
     timeline = simulate(delayed, Plan("deft", items))
     assert timeline.contention_ms == pytest.approx(3.0)
