@@ -37,6 +37,8 @@ def test_the_replay_is_priced_at_the_measured_eager_pass_once_there_is_one():
     budget.pass_seconds = 0.05
     assert budget.replay_seconds(3, 3) == pytest.approx(0.05 * (3 + 1))
     assert AttributionBudget().replay_seconds(5, 5) == 0.0  # nothing measured or trained yet
+    budget.replayed(0.5, trained=4, evaluated=3)  # a replay measured: spent, and its pass time predicts the next
+    assert budget.spent_seconds == 0.5 and budget.replay_seconds(4, 3) == pytest.approx(0.5)
 
 
 def test_no_limit_and_zero_share():

@@ -64,6 +64,11 @@ class AttributionBudget:
         per_pass = self.pass_seconds or (self.training_seconds / self.steps if self.steps else 0.0)
         return per_pass * (trained + FORWARD_SHARE * evaluated)
 
+    def replayed(self, seconds: float, trained: int, evaluated: int) -> None:
+        """A replay of that shape took ``seconds``: spent, and the eager pass time the next prediction uses."""
+        self.spend(seconds)
+        self.pass_seconds = seconds / (trained + FORWARD_SHARE * evaluated)
+
     def numbers(self) -> list[float]:
         """What ``agreed`` averages over ranks."""
         return [self.training_seconds, float(self.steps), self.spent_seconds, self.pass_seconds, self.copy_seconds]

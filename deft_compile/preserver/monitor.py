@@ -30,7 +30,7 @@ import torch.nn as nn
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
 from deft_compile.planner.plan import Plan, Profile
 from deft_compile.preserver.attribution import Schedule, Snapshot, kept_batch, lag_steps, loss_over, replay
-from deft_compile.preserver.budget import FORWARD_SHARE, AttributionBudget
+from deft_compile.preserver.budget import AttributionBudget
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
@@ -300,14 +300,13 @@ class PreserverMonitor:
             return None
         event = None
         if signal.finite and since is not None and since["batches"]:
-            trained, evaluated, lagged = self._replay_passes(since)
+            lagged, evaluate_on = self._replay_shape(since)
+            trained, evaluated = len(since["batches"]) + lagged, 2 * evaluate_on  # both arms
             predicted = agreed.replay_seconds(trained, evaluated)
             if agreed.affords(predicted):
                 started = time.perf_counter()
-                stale, synchronous = self._paired_replay(since, lagged, evaluated // 2)
-                seconds = time.perf_counter() - started
-                self.budget.spend(seconds)
-                self.budget.pass_seconds = seconds / (trained + FORWARD_SHARE * evaluated)
+                stale, synchronous = self._paired_replay(since, lagged, evaluate_on)
+                self.budget.replayed(time.perf_counter() - started, trained, evaluated)
                 event = self.preserver.attribute(signal, step_count, stale, synchronous, len(since["batches"]))
                 if event is None:
                     self._restart_since_best(agreed)
@@ -403,13 +402,11 @@ class PreserverMonitor:
         return schedule
 
     @staticmethod
-    def _replay_passes(since: dict) -> tuple[int, int, int]:
-        """A paired replay's work: forward and backward passes (both arms), forward passes (the two
-        evaluations), and the synchronous arm's steps (the stale arm's less its lag)."""
+    def _replay_shape(since: dict) -> tuple[int, int]:
+        """A paired replay's shape: the synchronous arm's steps (the stale arm's less its lag) and the minibatches
+        each arm is evaluated on."""
         batches = since["batches"]
-        lagged = max(0, len(batches) - lag_steps(since["schedules"]))
-        evaluate_on = min(len(batches), _REPLAY_EVALUATION_BATCHES)
-        return len(batches) + lagged, 2 * evaluate_on, lagged
+        return max(0, len(batches) - lag_steps(since["schedules"])), min(len(batches), _REPLAY_EVALUATION_BATCHES)
 
     def _paired_replay(self, since: dict, lagged: int, evaluate_on: int) -> tuple[float, float]:
         """All-rank means of the stale arm's final loss and of the synchronous arm's loss its lag earlier
