@@ -799,11 +799,13 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
     of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
     ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier);
     ``priority_ms`` is added to the priority plans (ByteScheduler's, US-Byte's), ``base_ms`` to every plan (so
-    negative offsets still give positive times, whose ratios the duel compares)."""
+    negative offsets still give positive times, whose ratios the duel compares). The Preserver is off: the
+    injected times are no model's, and its trades on a profile refined to them would be re-plans of their own."""
+    from deft_compile.preserver import PreserverConfig
     from deft_compile.step.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
-    config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
+    config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3,
                                                      duel_rounds=duel_rounds, duel_steps=1))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)

@@ -16,8 +16,14 @@ overlap the model does not capture), the plan may be wrong. The loop:
    (ByteScheduler's, US-Byte's: also synchronous), and, when the measurement missed the
    prediction by more than ``tolerance``, the plan re-solved on a refined
    profile. The refined profile scales compute and link costs by the two
-   factors that make the simulator best reproduce the measured times of the
-   plans measured so far (a log-grid least squares on relative errors).
+   factors, and sets the contention (``Profile.contention``: what overlapped
+   communication costs the compute beside it), that make the simulator best
+   reproduce the measured times of the plans measured so far (a log-grid least
+   squares on relative errors; the contention in closed form, from three plans
+   on). Refining is decided once every candidate is measured, from the worst
+   gap among them: the synchronous plans of one step share its compute and
+   bytes and differ in what they overlap, so their spread is what pins the
+   contention down.
    A ByteScheduler or US-Byte step (on by default for them too) has one candidate:
    its own plan, searched again (partition size and credit; split layer and scale)
    on the refined profile.
@@ -106,6 +112,13 @@ class ClosedLoopConfig:
             synchronous plan runs whenever the decision is synchronous, and
             is what a plan with delays must beat. Not with loss scaling (its
             skipped updates are not tested with per-layer updates).
+        fit_contention: refine ``Profile.contention`` too (from three measured
+            plans on): the simulator's contention term is linear in it, so the
+            best value for each compute and link factor is solved exactly.
+            Why: on a CPU host the profiler's probe of contention follows noise
+            (0.09-0.75 across launches of one model and link, docs/BENCHMARKS.md
+            session 11) while the measured plans are the step itself. False
+            keeps the profile's (``DeftConfig.contention``).
         priority_schedule: once a priority plan is the synchronous plan
             settled on, later ``deft`` re-plans with delays (the Preserver's
             trades) carry the parameters they leave synchronous on its
@@ -125,48 +138,88 @@ class ClosedLoopConfig:
     duel_steps: int = 3
     duel_margin: float = 0.25
     priority_candidate: bool = True
+    fit_contention: bool = True
     priority_schedule: bool = False
 
     def active_for(self, policy: str, profile_given: bool = False) -> bool:
         return self.enabled if self.enabled is not None else (policy in CLOSED_LOOP_POLICIES and not profile_given)
 
 
-def refine_scales(
-    measured: list[tuple[Any, float]], simulate_ms: Callable[[Any, float, float], float]
-) -> tuple[float, float, float]:
-    """Compute and link factors (a, b) minimising the squared relative error of the simulated times.
+#: simulate_parts(plan, compute factor, link factor) -> (step ms without contention, ms of overlap per step)
+SimulateParts = Callable[[Any, float, float], "tuple[float, float]"]
 
-    ``measured``: (plan, measured ms) pairs; ``simulate_ms(plan, a, b)`` predicts
-    a plan's time with compute scaled by ``a`` and link costs by ``b``. A coarse
-    log grid (0.125x..8x), then two finer ones around the best. Returns (a, b, rms
-    relative error).
+
+@dataclass(frozen=True)
+class Refinement:
+    """What the closed loop fitted: compute and link factors, the contention, and the rms relative error left."""
+
+    compute: float
+    link: float
+    contention: float
+    error: float
+
+
+def contention_parts(profile, plan) -> tuple[float, float]:
+    """(the simulated step without contention, the time per step communication overlaps compute).
+
+    The simulator adds ``Profile.contention`` times the second to the first (``Timeline.contention_ms``), so one
+    simulation at contention 1 gives the step at every contention, and the best contention for a set of measured
+    plans is a one-line least squares."""
+    import dataclasses
+
+    from deft_compile.planner.simulator import simulate
+
+    timeline = simulate(dataclasses.replace(profile, contention=1.0), plan, record=False, check=False)
+    return timeline.iteration_ms - timeline.contention_ms, timeline.contention_ms
+
+
+def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulateParts,
+                  contention: float | None = None, fit_link: bool = True) -> Refinement:
+    """Compute and link factors (a, b), and the contention, minimising the squared relative error of the
+    simulated times.
+
+    ``measured``: (plan, measured ms) pairs; ``simulate_parts(plan, a, b)``: the plan's simulated time with compute
+    scaled by ``a`` and link costs by ``b``, split as ``contention_parts`` splits it. ``contention``: a fixed
+    value, or None to fit it in [0, 1] (for each (a, b) exactly: the time is linear in it). ``fit_link=False``
+    keeps the link as measured (one plan cannot separate compute from link). A coarse log grid (0.125x..8x), then
+    two finer ones around the best.
     """
 
-    def error(a: float, b: float) -> float:
-        return math.sqrt(sum(((simulate_ms(plan, a, b) - ms) / ms) ** 2 for plan, ms in measured) / len(measured))
+    def fit(a: float, b: float) -> tuple[float, float]:
+        parts = [(simulate_parts(plan, a, b), ms) for plan, ms in measured]
+        gamma = contention
+        if gamma is None:
+            weight = sum(overlap * overlap / (ms * ms) for (_, overlap), ms in parts)
+            slack = sum(overlap * (ms - base) / (ms * ms) for (base, overlap), ms in parts)
+            gamma = min(1.0, max(0.0, slack / weight)) if weight > 0 else 0.0
+        error = math.sqrt(sum(((base + gamma * overlap - ms) / ms) ** 2 for (base, overlap), ms in parts) / len(parts))
+        return error, gamma
 
-    def grid(center_a: float, center_b: float, span: float, points: int) -> tuple[float, float, float]:
-        best = (math.inf, center_a, center_b)
+    def grid(center_a: float, center_b: float, span: float, points: int) -> tuple[float, float, float, float]:
+        best = (math.inf, center_a, center_b, 0.0)
         for i in range(points):
-            for j in range(points):
+            for j in range(points if fit_link else 1):
                 a = center_a * span ** (2 * i / (points - 1) - 1)
-                b = center_b * span ** (2 * j / (points - 1) - 1)
-                e = error(a, b)
+                b = center_b * span ** (2 * j / (points - 1) - 1) if fit_link else center_b
+                e, gamma = fit(a, b)
                 if e < best[0] - 1e-12:
-                    best = (e, a, b)
+                    best = (e, a, b, gamma)
         return best
 
-    e, a, b = grid(1.0, 1.0, 8.0, 13)  # 0.125x .. 8x, factor sqrt(2) apart
-    e, a, b = grid(a, b, math.sqrt(2.0), 9)
-    e, a, b = grid(a, b, 2 ** 0.125, 9)  # ~1.1% apart
-    return a, b, e
+    e, a, b, gamma = grid(1.0, 1.0, 8.0, 13)  # 0.125x .. 8x, factor sqrt(2) apart
+    e, a, b, gamma = grid(a, b, math.sqrt(2.0), 9)
+    e, a, b, gamma = grid(a, b, 2 ** 0.125, 9)  # ~1.1% apart
+    return Refinement(a, b, gamma, e)
 
 
-def scaled_profile(profile, compute: float, link: float):
-    """``profile`` with every compute time times ``compute`` and every link's α, β times ``link``."""
+def scaled_profile(profile, compute: float, link: float, contention: float | None = None):
+    """``profile`` with every compute time times ``compute``, every link's α, β times ``link``, and (if given) its
+    contention replaced."""
     from deft_compile.planner.plan import Profile
 
     data = profile.to_dict()
+    if contention is not None:
+        data["contention"] = contention
     for param in data["params"]:
         for key in ("forward_ms", "backward_ms", "update_ms"):
             param[key] *= compute
@@ -257,6 +310,7 @@ class ClosedLoop:
         self.measured: dict[str, tuple[Any, float]] = {}  # plan hash -> (plan, agreed measured ms)
         self.synchronous_only = False
         self.scales: tuple[float, float] = (1.0, 1.0)
+        self.contention: float | None = None  # fitted by the refinement (``fit_contention``), else the profile's
         self.duel: Duel | None = None
         self._queue: list[tuple[Any, str]] = []
         self._expect: str | None = None
@@ -369,44 +423,48 @@ class ClosedLoop:
                 log.warning("closed loop: no %s candidate: %s", policy, exc)
         return plans
 
+    def _worst_gap(self, step) -> float:
+        """The largest relative gap between a measured plan's time and the simulator's prediction for it."""
+        from deft_compile.planner.stability import predicted_ms
+
+        return max((abs(ms - predicted_ms(step.profile, plan)) / ms for plan, ms in self.measured.values() if ms > 0),
+                   default=0.0)
+
     def _refined_plan(self, step):
-        """Scale the profile so the simulator reproduces the measured plan, re-solve with hysteresis."""
-        from deft_compile.planner.stability import predicted_ms, solve_stable
+        """Scale the profile (and fit its contention) so the simulator reproduces the measured plans, re-solve
+        with hysteresis."""
+        from deft_compile.planner.stability import solve_stable
 
         base = step.profile
         measured = [value for value in self.measured.values()]
 
-        def simulate_ms(plan, a: float, b: float) -> float:
-            return predicted_ms(scaled_profile(base, a, b), plan)
+        def simulate_parts(plan, a: float, b: float) -> tuple[float, float]:
+            return contention_parts(scaled_profile(base, a, b), plan)
 
-        # One measurement cannot separate compute from link: assume the link
-        # is as measured and fit compute only, unless more plans are measured.
-        if len(measured) < 2:
-            a = 1.0
-            best = math.inf
-            for i in range(-24, 25):
-                factor = 2 ** (i / 8)
-                plan, ms = measured[0]
-                e = abs(simulate_ms(plan, factor, 1.0) - ms) / ms
-                if e < best:
-                    best, a = e, factor
-            b, error = 1.0, best
-        else:
-            a, b, error = refine_scales(measured, simulate_ms)
+        # One measurement cannot separate compute from link: assume the link is as measured and fit compute only.
+        # Three plans on (differing in what they overlap) pin the contention down; fewer keep the profile's.
+        fit_gamma = self.config.fit_contention and len(measured) >= 3
+        fitted = refine_scales(measured, simulate_parts, contention=None if fit_gamma else base.contention,
+                               fit_link=len(measured) >= 2)
+        a, b, error = fitted.compute, fitted.link, fitted.error
         self.scales = (a, b)
-        step.profile = scaled_profile(base, a, b)
+        self.contention = fitted.contention
+        step.profile = scaled_profile(base, a, b, fitted.contention)
         # The initial plan's options, not the last trial's: that may be the synchronous candidate (solved with
         # max_staleness=0) or a priority plan (another solver's options). A priority policy's plan options are
         # its search's results (partition size, credit, ...): it searches again on the refined profile.
         initial = self._initial or step.plan
         options = step.solver_options() if step.policy in PRIORITY_POLICIES else dict(initial.options)
         refined = solve_stable(step.profile, step.policy, incumbent=initial, **options)
-        log.info("closed loop: refined profile (compute x%.2f, link x%.2f, fit error %.1f%%)", a, b, 100 * error)
+        log.info("closed loop: refined profile (compute x%.2f, link x%.2f, contention %.2f%s, fit error %.1f%%)",
+                 a, b, fitted.contention, "" if fit_gamma else " kept", 100 * error)
         if refined.hash() in (initial.hash(), step.plan.hash()):
             return None
         return refined
 
     def _next_trial(self, step) -> None:
+        if not self._queue and not self._refined:
+            self.gap = max(self.gap, self._worst_gap(step))
         if not self._queue and not self._refined and self.gap > self.config.tolerance:
             self._refined = True
             refined = self._refined_plan(step)
@@ -553,7 +611,8 @@ class ClosedLoop:
         step.switch_plan(plan.options, reason, plan=plan, record=record)
         self._expect, self._since_change, self._times, self._cold = step.plan.hash(), 0, [], []
         if record:
-            step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales), **extra}
+            step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales),
+                                                    "contention": self.contention, **extra}
             log.info("%s; measured so far: %s", reason, {h[:12]: round(ms, 3) for h, (_p, ms) in self.measured.items()})
 
     def _note(self, step, reason: str, plan, measured: float, predicted: float, **extra: Any) -> None:
@@ -563,7 +622,8 @@ class ClosedLoop:
             "reason": reason,
             "delayed_items": sum(1 for item in plan.items if item.delay),
             "max_period": max((item.period for item in plan.items), default=1),
-            "closed_loop": {"measured_ms": measured, "predicted_ms": predicted, "scales": list(self.scales), **extra},
+            "closed_loop": {"measured_ms": measured, "predicted_ms": predicted, "scales": list(self.scales),
+                            "contention": self.contention, **extra},
         }
         step.plan_history.append(entry)
         log.info("step %d: %s: measured %.2f ms, predicted %.2f ms", step.step_count, reason, measured, predicted)
