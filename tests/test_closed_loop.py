@@ -64,13 +64,18 @@ def test_a_growing_load_does_not_fool_the_choice(duel_rounds):
 def test_refinement_recovers_compute_and_link_scales():
     profile = build_profile("resnet101", inter_gbps=25)
     plans = [solve(profile, "deft"), solve(profile, "deft", max_staleness=0)]
-    truth = scaled_profile(profile, 1.6, 0.7)
+    truth = scaled_profile(profile, 1.6, 1.4)
     measured = [(plan, predicted_ms(truth, plan)) for plan in plans]
-    fitted = refine_scales(measured, lambda plan, a, b: contention_parts(scaled_profile(profile, a, b), plan),
-                           contention=0.0)
+    parts = lambda plan, a, b: contention_parts(scaled_profile(profile, a, b), plan)  # noqa: E731
+    fitted = refine_scales(measured, parts, contention=0.0)
     assert fitted.error < 0.02 and fitted.contention == 0.0
     for plan, ms in measured:
         assert math.isclose(predicted_ms(scaled_profile(profile, fitted.compute, fitted.link), plan), ms, rel_tol=0.05)
+    # a link faster in the step than the profiler timed it alone is not fitted (MIN_LINK_FACTOR): the fit stays at
+    # the measured link and is left with an error, where an unbounded one would take the faster link
+    faster = [(plan, predicted_ms(scaled_profile(profile, 1.0, 0.5), plan)) for plan in plans]
+    bounded, free = refine_scales(faster, parts, contention=0.0), refine_scales(faster, parts, 0.0, min_link=0.0)
+    assert bounded.link >= 1.0 and free.link < 0.6 and free.error < bounded.error
 
 
 def test_refinement_recovers_the_contention_from_plans_that_overlap_differently():

@@ -173,16 +173,25 @@ def contention_parts(profile, plan) -> tuple[float, float]:
     return timeline.iteration_ms - timeline.contention_ms, timeline.contention_ms
 
 
+#: the least link factor the refinement may fit. The profiler times the link alone, on an idle step, and keeps
+#: the faster half of its repeats: a running step does not send faster than that. Without this floor the fit
+#: traded compute against link freely on the suite's transformers (three synchronous plans measured within a
+#: few percent of one another): refined profiles with 1.7x the measured compute and a link 4x faster, or 0.6x
+#: the compute, on which the Preserver saw nothing to gain (docs/BENCHMARKS.md, session 12).
+MIN_LINK_FACTOR = 1.0
+
+
 def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulateParts,
-                  contention: float | None = None, fit_link: bool = True) -> Refinement:
+                  contention: float | None = None, fit_link: bool = True,
+                  min_link: float = MIN_LINK_FACTOR) -> Refinement:
     """Compute and link factors (a, b), and the contention, minimising the squared relative error of the
     simulated times.
 
     ``measured``: (plan, measured ms) pairs; ``simulate_parts(plan, a, b)``: the plan's simulated time with compute
     scaled by ``a`` and link costs by ``b``, split as ``contention_parts`` splits it. ``contention``: a fixed
     value, or None to fit it in [0, 1] (for each (a, b) exactly: the time is linear in it). ``fit_link=False``
-    keeps the link as measured (one plan cannot separate compute from link). A coarse log grid (0.125x..8x), then
-    two finer ones around the best.
+    keeps the link as measured (one plan cannot separate compute from link); ``min_link`` is the least link factor
+    tried (``MIN_LINK_FACTOR``). A coarse log grid (0.125x..8x), then two finer ones around the best.
     """
 
     def fit(a: float, b: float) -> tuple[float, float]:
@@ -200,7 +209,7 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
         for i in range(points):
             for j in range(points if fit_link else 1):
                 a = center_a * span ** (2 * i / (points - 1) - 1)
-                b = center_b * span ** (2 * j / (points - 1) - 1) if fit_link else center_b
+                b = max(min_link, center_b * span ** (2 * j / (points - 1) - 1)) if fit_link else center_b
                 e, gamma = fit(a, b)
                 if e < best[0] - 1e-12:
                     best = (e, a, b, gamma)

@@ -359,8 +359,12 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
             allreduce_all_ms=allreduce_ms,
             plans={n: s.plan.to_json() for n, s in compiled.items()},
             profiles={n: s.profile.to_json() for n, s in compiled.items()},
-            plan_history={n: [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool, type(None)))}
-                              for h in s.plan_history] for n, s in compiled.items()},
+            # the closed loop's record too (measured and predicted ms per candidate, the fitted factors and
+            # contention): what a reader needs to see why a plan was kept
+            plan_history={n: [{k: v for k, v in h.items()
+                               if isinstance(v, (str, int, float, bool, type(None))) or k == "closed_loop"}
+                              for h in json.loads(json.dumps(s.plan_history, default=float))]
+                          for n, s in compiled.items()},
             trace_counts={n: s.trace_count for n, s in compiled.items()},
             preserver={n: s.preserver is not None for n, s in compiled.items()},
             preserver_dismissed={n: [e.reason for e in s.preserver.dismissed] for n, s in compiled.items()
