@@ -94,8 +94,8 @@ class DeftConfig(BucketSizes):
             model on one link measured 0.09 to 0.75 across launches, so plans
             followed the noise; with it on, the Preserver declined trades whose
             predicted gain it cut (docs/BENCHMARKS.md, session 11). A profile you
-            give keeps its own. Whatever the start, the closed loop refits it
-            from the plans it measures (``ClosedLoopConfig.fit_contention``).
+            give keeps its own. ``ClosedLoopConfig(fit_contention=True)``
+            refits it from the plans the closed loop measures (opt-in).
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB

@@ -17,13 +17,13 @@ overlap the model does not capture), the plan may be wrong. The loop:
    prediction by more than ``tolerance``, the plan re-solved on a refined
    profile. The refined profile scales compute and link costs by the two
    factors, and sets the contention (``Profile.contention``: what overlapped
-   communication costs the compute beside it), that make the simulator best
-   reproduce the measured times of the plans measured so far (a log-grid least
-   squares on relative errors; the contention in closed form, from three plans
-   on). Refining is decided once every candidate is measured, from the worst
-   gap among them: the synchronous plans of one step share its compute and
-   bytes and differ in what they overlap, so their spread is what pins the
-   contention down.
+   communication costs the compute beside it; opt-in, ``fit_contention``), that
+   make the simulator best reproduce the measured times of the plans measured
+   so far (a log-grid least squares on relative errors; the contention in
+   closed form, from three plans on). The link factor is never below
+   ``MIN_LINK_FACTOR``. Refining is decided once every candidate is measured,
+   from the worst gap among them (the priority plans are the ones the
+   simulator misses most).
    A ByteScheduler or US-Byte step (on by default for them too) has one candidate:
    its own plan, searched again (partition size and credit; split layer and scale)
    on the refined profile.
@@ -115,10 +115,17 @@ class ClosedLoopConfig:
         fit_contention: refine ``Profile.contention`` too (from three measured
             plans on): the simulator's contention term is linear in it, so the
             best value for each compute and link factor is solved exactly.
-            Why: on a CPU host the profiler's probe of contention follows noise
-            (0.09-0.75 across launches of one model and link, docs/BENCHMARKS.md
-            session 11) while the measured plans are the step itself. False
-            keeps the profile's (``DeftConfig.contention``).
+            Why one would: on a CPU host the profiler's probe of contention
+            follows noise (0.09-0.75 across launches of one model and link,
+            docs/BENCHMARKS.md session 11) while the measured plans are the step
+            itself. Off by default: measured on the suite's transformers it
+            brought the simulator's median miss from -22/-26 % to -9..-21 %, but
+            three synchronous plans measured within a few percent of one another
+            do not pin the contention down (fitted 0 to 0.70 across launches),
+            and where it came out high the Preserver declined trades: ``deft``
+            ran 0.90-0.97x / 0.84-0.85x DDP against 0.85x / 0.82x without it
+            (docs/BENCHMARKS.md, session 12). False keeps the profile's
+            (``DeftConfig.contention``).
         priority_schedule: once a priority plan is the synchronous plan
             settled on, later ``deft`` re-plans with delays (the Preserver's
             trades) carry the parameters they leave synchronous on its
@@ -138,7 +145,7 @@ class ClosedLoopConfig:
     duel_steps: int = 3
     duel_margin: float = 0.25
     priority_candidate: bool = True
-    fit_contention: bool = True
+    fit_contention: bool = False
     priority_schedule: bool = False
 
     def active_for(self, policy: str, profile_given: bool = False) -> bool:
