@@ -29,6 +29,8 @@ def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
         # the plan re-solved on a refined profile when the first measurement missed its prediction by > tolerance
         assert len(measured) in (4, 5) and all(m["measured_ms"] > 0 for m in measured.values())
         assert any("synchronous priority candidate" in r for r in reasons), reasons
+        # the record carries the profile's contention beside the factors (the given profile's: fit_contention is off)
+        assert all(h["closed_loop"]["contention"] == 0.0 for h in report["history"] if "closed_loop" in h)
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
     assert results[0]["history"] == results[1]["history"] or [h["plan_hash"] for h in results[0]["history"]] == [
         h["plan_hash"] for h in results[1]["history"]

@@ -326,7 +326,6 @@ class ClosedLoop:
         self.measured: dict[str, tuple[Any, float]] = {}  # plan hash -> (plan, agreed measured ms)
         self.synchronous_only = False
         self.scales: tuple[float, float] = (1.0, 1.0)
-        self.contention: float | None = None  # fitted by the refinement (``fit_contention``), else the profile's
         self.duel: Duel | None = None
         self._queue: list[tuple[Any, str]] = []
         self._expect: str | None = None
@@ -464,7 +463,6 @@ class ClosedLoop:
                                fit_link=len(measured) >= 2)
         a, b, error = fitted.compute, fitted.link, fitted.error
         self.scales = (a, b)
-        self.contention = fitted.contention
         step.profile = scaled_profile(base, a, b, fitted.contention)
         # The initial plan's options, not the last trial's: that may be the synchronous candidate (solved with
         # max_staleness=0) or a priority plan (another solver's options). A priority policy's plan options are
@@ -479,13 +477,13 @@ class ClosedLoop:
         return refined
 
     def _next_trial(self, step) -> None:
-        if not self._queue and not self._refined:
+        if not self._queue and not self._refined:  # every candidate measured: refine once, on the worst miss
             self.gap = max(self.gap, self._worst_gap(step))
-        if not self._queue and not self._refined and self.gap > self.config.tolerance:
-            self._refined = True
-            refined = self._refined_plan(step)
-            if refined is not None and refined.hash() not in self.measured:
-                self._queue.append((refined, "re-planned on the refined profile"))
+            if self.gap > self.config.tolerance:
+                self._refined = True
+                refined = self._refined_plan(step)
+                if refined is not None and refined.hash() not in self.measured:
+                    self._queue.append((refined, "re-planned on the refined profile"))
         if self._queue:
             plan, why = self._queue.pop(0)
             self._switch(step, plan, f"closed loop trial: {why}")
@@ -628,7 +626,7 @@ class ClosedLoop:
         self._expect, self._since_change, self._times, self._cold = step.plan.hash(), 0, [], []
         if record:
             step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales),
-                                                    "contention": self.contention, **extra}
+                                                    "contention": step.profile.contention, **extra}
             log.info("%s; measured so far: %s", reason, {h[:12]: round(ms, 3) for h, (_p, ms) in self.measured.items()})
 
     def _note(self, step, reason: str, plan, measured: float, predicted: float, **extra: Any) -> None:
@@ -639,7 +637,7 @@ class ClosedLoop:
             "delayed_items": sum(1 for item in plan.items if item.delay),
             "max_period": max((item.period for item in plan.items), default=1),
             "closed_loop": {"measured_ms": measured, "predicted_ms": predicted, "scales": list(self.scales),
-                            "contention": self.contention, **extra},
+                            "contention": step.profile.contention, **extra},
         }
         step.plan_history.append(entry)
         log.info("step %d: %s: measured %.2f ms, predicted %.2f ms", step.step_count, reason, measured, predicted)
