@@ -183,8 +183,8 @@ def contention_parts(profile, plan) -> tuple[float, float]:
 #: the least link factor the refinement may fit. The profiler times the link alone, on an idle step, and keeps
 #: the faster half of its repeats: a running step does not send faster than that. Without this floor the fit
 #: traded compute against link freely on the suite's transformers (three synchronous plans measured within a
-#: few percent of one another): refined profiles with 1.7x the measured compute and a link 4x faster, or 0.6x
-#: the compute, on which the Preserver saw nothing to gain (docs/BENCHMARKS.md, session 12).
+#: few percent of one another): refined profiles with compute 1.7x the floor's step and a link 4x faster, or
+#: 0.6x the floor's step, on which the Preserver saw nothing to gain (docs/BENCHMARKS.md, session 12).
 MIN_LINK_FACTOR = 1.0
 
 
