@@ -5,8 +5,23 @@ compiler, so they run the step graph as aten (no Inductor compile per graph):
 ``DEFT_COMPILER=aten`` unless the environment already says otherwise. Spawned
 workers inherit it. Tests of the Inductor lowering pass ``compiler="inductor"``
 explicitly (tests/test_inductor.py).
+
+The suite launches about a hundred pairs of gloo workers. Spawned, each worker
+starts an interpreter and imports torch, deft_compile and the test helpers
+(3-4 s a launch on the 2-core CI host); forked from one server that imported
+them once (``launcher.use_forkserver``), a launch costs well under a second.
+``DEFT_TEST_SPAWN=1`` runs the suite with spawned workers, as the benchmarks
+and the demo start theirs.
 """
 
 import os
 
 os.environ.setdefault("DEFT_COMPILER", "aten")
+
+if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
+    from deft_compile.tools import launcher
+
+    launcher.use_forkserver([
+        "workers", "loop_workers", "inductor_workers", "backend_workers", "hf_models", "models",
+        "transformers", "deft_compile.tools.bench", "deft_compile.tools.demo", "deft_compile.tools.time_to_accuracy",
+    ])

@@ -1199,3 +1199,17 @@ def contention_config_run(rank: int, world_size: int) -> dict:
         step(*make_batch(torch.Generator().manual_seed(rank)))
         found[label] = step.profile.contention
     return found
+
+
+def launch_facts(rank: int, world_size: int, name: str) -> dict:
+    """What a worker sees of its start: the environment variable ``name``, whether torch was imported before
+    this process ran any of its own code (a fork server preloads it), and one all-reduce across the group."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    return {"value": os.environ.get(name), "pid": os.getpid(), "sum": total.item(),
+            "threads": torch.get_num_threads(), "argv0": sys.argv[0] if sys.argv else ""}
