@@ -106,3 +106,9 @@ def test_simulator_error_is_taken_on_the_schedule_and_names_the_preservers_share
     assert target["met"] and target["value"] == "-5% (Preserver 20% of the step; -24% with it)"
     del rows["deft"]["schedule_ms"], rows["deft"]["preserver_ms"]  # older results: the whole step
     assert suite.simulator_errors(entry)["deft"] == pytest.approx(-0.24)
+    # the closed loop's own time of the plan, where the launch has it, is named beside the rounds' error
+    assert suite.simulator_errors(entry, basis="closed_loop_ms", fallback=False) == {}
+    rows["deft"]["closed_loop_ms"] = 80.0
+    (check,) = suite.check_targets([entry], emulated=False)
+    target = next(t for t in check["targets"] if t["target"] == "simulator within 20% (deft)")
+    assert target["value"] == "-24% (-5% against the closed loop's time of the plan)" and not target["met"]

@@ -366,6 +366,10 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
                               for h in json.loads(json.dumps(s.plan_history, default=float))]
                           for n, s in compiled.items()},
             trace_counts={n: s.trace_count for n, s in compiled.items()},
+            # the closed loop's own time for the plan that runs (consecutive steps of that plan alone, median,
+            # slowest rank): beside the rounds' time of the same plan it shows what interleaving costs
+            closed_loop_ms={n: s.closed_loop.measured[s.plan.hash()][1] for n, s in compiled.items()
+                            if s.closed_loop is not None and s.plan.hash() in s.closed_loop.measured},
             preserver={n: s.preserver is not None for n, s in compiled.items()},
             preserver_dismissed={n: [e.reason for e in s.preserver.dismissed] for n, s in compiled.items()
                                  if s.preserver is not None},
@@ -531,7 +535,8 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
             profile = Profile.from_json(value["profiles"][name])
             row.update(items=len(plan.items), delayed_items=sum(1 for i in plan.items if i.delay == 1),
                        max_period=max((i.period for i in plan.items), default=1), plan_hash=plan.hash(),
-                       plan_changes=len(value["plan_history"][name]) - 1, traces=value["trace_counts"][name])
+                       plan_changes=len(value["plan_history"][name]) - 1, traces=value["trace_counts"][name],
+                       closed_loop_ms=value.get("closed_loop_ms", {}).get(name))
             if profile.forward_ms + profile.backward_ms > 0:  # wfbp plans from sizes only: nothing to simulate
                 timeline = simulate(profile, plan, record=False)
                 row.update(predicted_ms=timeline.iteration_ms, predicted_exposed_ms=timeline.exposed_comm_ms)
