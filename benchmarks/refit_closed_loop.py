@@ -1,0 +1,72 @@
+"""Re-fit the closed loop's profile refinement from a suite results file, with and without the prior.
+
+The bench JSON keeps, per launch, ``deft``'s refined profile and the closed loop's record (the factors it
+fitted and every measured plan's time). This script undoes the recorded factors to get the profile as measured,
+re-solves the synchronous plans the loop timed (DDP's buckets, ByteScheduler's, US-Byte's; matched by plan hash),
+and fits them again with ``refine_scales`` under four settings: γ held at the profile's or fitted, each with no
+prior (``prior_weight=0``) and with ``PRIOR_WEIGHT``. What docs/BENCHMARKS.md, session 13, quotes.
+
+    python benchmarks/refit_closed_loop.py benchmarks/results/suite-inductor-transformers-s13.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from deft_compile.planner.plan import Profile
+from deft_compile.planner.solvers import solve
+from deft_compile.step.closed_loop import PRIOR_WEIGHT, contention_parts, refine_scales, scaled_profile
+
+
+def measured_synchronous_plans(run: dict[str, Any], variant: str = "deft"):
+    """(profile as measured, [(plan, measured ms)], recorded (compute, link, contention)) of one launch, or None
+    when the launch's closed loop recorded no candidates."""
+    records = [entry["closed_loop"] for entry in run["plan_history"].get(variant, [])
+               if isinstance(entry.get("closed_loop"), dict) and entry["closed_loop"].get("candidates")]
+    if not records:
+        return None
+    compute, link = records[0]["scales"]
+    contention = records[0].get("contention") or 0.0
+    refined = Profile.from_json(run["profiles"][variant])
+    base = scaled_profile(refined, 1.0 / compute, 1.0 / link, 0.0)
+    plans = {plan.hash()[:12]: plan for plan in (solve(base, variant, max_staleness=0), solve(base, "bytescheduler"),
+                                                 solve(base, "usbyte"))}
+    measured = [(plans[h], c["measured_ms"]) for h, c in records[0]["candidates"].items() if h in plans]
+    return base, measured, (compute, link, contention)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="a suite results JSON (benchmarks/results/suite-*.json)")
+    args = parser.parse_args(argv)
+    data = json.load(open(args.results))
+    settings = [("gamma held, no prior", {"contention": 0.0, "prior_weight": 0.0}),
+                ("gamma held, prior", {"contention": 0.0}),
+                ("gamma fitted, no prior", {"prior_weight": 0.0}),
+                ("gamma fitted, prior", {})]
+    print(f"PRIOR_WEIGHT = {PRIOR_WEIGHT:.2e}")
+    for entry in data["results"]:
+        print(f"== {entry['model']} ({entry.get('rate')})")
+        for index, run in enumerate(entry["runs"]):
+            found = measured_synchronous_plans(run)
+            if found is None:
+                print(f"  launch {index}: no closed-loop record")
+                continue
+            base, measured, recorded = found
+            times = ", ".join(f"{ms:.1f}" for _, ms in measured)
+            print(f"  launch {index}: measured {times} ms; recorded compute {recorded[0]:.2f} link {recorded[1]:.2f} "
+                  f"contention {recorded[2]:.2f}")
+
+            def parts(plan, a: float, b: float, base=base):
+                return contention_parts(scaled_profile(base, a, b), plan)
+
+            for label, options in settings:
+                fitted = refine_scales(measured, parts, **options)
+                print(f"    {label:24s} compute {fitted.compute:.2f}  link {fitted.link:.2f}  "
+                      f"contention {fitted.contention:.2f}  rms miss {100 * fitted.error:.1f} %")
+
+
+if __name__ == "__main__":
+    main()
