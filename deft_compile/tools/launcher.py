@@ -48,9 +48,10 @@ def use_forkserver(preload: Sequence[str] = ()) -> None:
 
 
 def _start_forkserver(context: Any) -> None:
-    """Start the fork server (once per process) with this process's ``sys.path``: the server is a new
-    interpreter, and Python 3.11's server drops the path it is sent, so a preloaded module found
-    through a path added at run time (a test folder) would fail to import there, silently."""
+    """Make sure the fork server runs (it starts once; later calls find it alive) with this process's
+    ``sys.path``: the server is a new interpreter, and Python 3.11's server drops the path it is sent,
+    so a preloaded module found through a path added at run time (a test folder) would fail to import
+    there, silently."""
     from multiprocessing import forkserver
 
     context.set_forkserver_preload(list(_preload))
@@ -114,7 +115,8 @@ def run_local_workers(
     rank_env: Sequence[dict[str, str]] | None = None,
     start_method: str | None = None,
 ) -> list[WorkerResult]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes (spawned, or forked from a
+    preloaded server after ``use_forkserver``).
 
     Each process joins a fresh process group (``backend``, ``tcp://127.0.0.1``
     on a free port, collectives time out after ``collective_timeout_s``).
