@@ -21,8 +21,9 @@ from deft_compile.step.closed_loop import PRIOR_WEIGHT, contention_parts, refine
 
 
 def measured_synchronous_plans(run: dict[str, Any], variant: str = "deft"):
-    """(profile as measured, [(plan, measured ms)], recorded (compute, link, contention)) of one launch, or None
-    when the launch's closed loop recorded no candidates."""
+    """(profile as measured, [(plan, measured ms)], recorded (compute, link, contention), candidates recorded) of
+    one launch, or None when the launch's closed loop recorded no candidates. A recorded plan that re-solving does
+    not reproduce (by hash) is left out: the last number says how many there were."""
     records = [entry["closed_loop"] for entry in run["plan_history"].get(variant, [])
                if isinstance(entry.get("closed_loop"), dict) and entry["closed_loop"].get("candidates")]
     if not records:
@@ -34,7 +35,7 @@ def measured_synchronous_plans(run: dict[str, Any], variant: str = "deft"):
     plans = {plan.hash()[:12]: plan for plan in (solve(base, variant, max_staleness=0), solve(base, "bytescheduler"),
                                                  solve(base, "usbyte"))}
     measured = [(plans[h], c["measured_ms"]) for h, c in records[0]["candidates"].items() if h in plans]
-    return base, measured, (compute, link, contention)
+    return base, measured, (compute, link, contention), len(records[0]["candidates"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,9 +55,10 @@ def main(argv: list[str] | None = None) -> None:
             if found is None:
                 print(f"  launch {index}: no closed-loop record")
                 continue
-            base, measured, recorded = found
+            base, measured, recorded, recorded_plans = found
             times = ", ".join(f"{ms:.1f}" for _, ms in measured)
-            print(f"  launch {index}: measured {times} ms; recorded compute {recorded[0]:.2f} link {recorded[1]:.2f} "
+            print(f"  launch {index}: {len(measured)} of {recorded_plans} recorded plans re-solved, measured {times} ms; "
+                  f"recorded compute {recorded[0]:.2f} link {recorded[1]:.2f} "
                   f"contention {recorded[2]:.2f}")
 
             def parts(plan, a: float, b: float, base=base):

@@ -277,8 +277,8 @@ def test_the_prior_mends_the_degenerate_fit_recorded_in_session_13():
     spec.loader.exec_module(refit)
     data = json.loads((root / "benchmarks" / "results" / "suite-inductor-transformers-s13.json").read_text())
     gpt2 = next(entry for entry in data["results"] if entry["model"] == "gpt2-small-hf")
-    base, measured, recorded = refit.measured_synchronous_plans(gpt2["runs"][2])
-    assert len(measured) == 3 and recorded[0] < 0.2, recorded
+    base, measured, recorded, recorded_plans = refit.measured_synchronous_plans(gpt2["runs"][2])
+    assert len(measured) == recorded_plans == 3 and recorded[0] < 0.2, recorded
 
     def parts(plan, a, b):
         return contention_parts(scaled_profile(base, a, b), plan)

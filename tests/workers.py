@@ -1202,14 +1202,12 @@ def contention_config_run(rank: int, world_size: int) -> dict:
 
 
 def launch_facts(rank: int, world_size: int, name: str) -> dict:
-    """What a worker sees of its start: the environment variable ``name``, whether torch was imported before
-    this process ran any of its own code (a fork server preloads it), and one all-reduce across the group."""
+    """What a worker sees of its start: the environment variable ``name``, its pid, its intra-op threads, and
+    one all-reduce across the group."""
     import os
-    import sys
 
     import torch.distributed as dist
 
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
-    return {"value": os.environ.get(name), "pid": os.getpid(), "sum": total.item(),
-            "threads": torch.get_num_threads(), "argv0": sys.argv[0] if sys.argv else ""}
+    return {"value": os.environ.get(name), "pid": os.getpid(), "sum": total.item(), "threads": torch.get_num_threads()}

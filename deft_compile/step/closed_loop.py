@@ -233,7 +233,8 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
     def objective(a: float, b: float, error: float) -> float:
         return error * error + prior_weight * (math.log(a) ** 2 + math.log(b) ** 2)
 
-    def grid(center_a: float, center_b: float, span: float, points: int) -> tuple[float, float, float, float]:
+    def grid(center_a: float, center_b: float, span: float,
+             points: int) -> tuple[float, float, float, float, float]:  # (score, error, a, b, contention)
         best = (math.inf, math.inf, center_a, center_b, 0.0)
         for i in range(points):
             for j in range(points if fit_link else 1):
