@@ -9,7 +9,8 @@ import pytest
 
 from deft_compile.planner.zoo_profiles import build_profile
 from deft_compile.planner.solvers import solve
-from deft_compile.step.closed_loop import ClosedLoopConfig, contention_parts, refine_scales, scaled_profile
+from deft_compile.step.closed_loop import (ClosedLoopConfig, contention_parts, refine_scales, scaled_profile,
+                                         window_steps)
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
 from workers import check_entry, closed_loop_run, control_group_run
@@ -288,3 +289,58 @@ def test_the_prior_mends_the_degenerate_fit_recorded_in_session_13():
     assert free.compute < 0.2 and held.compute > 0.5 and held.error <= free.error + 0.005, (free, held)
     fitted = refine_scales(measured, parts)
     assert 0.8 < fitted.compute < 1.2 and fitted.error < free.error, fitted
+
+
+def test_a_window_of_short_steps_is_stretched_to_span_min_window_ms():
+    """Pure: five 4 ms steps span 20 ms; a 200 ms window needs 50 (at most ``max_steps``, whole periods); steps
+    that already span it, and injected non-positive times, are left alone."""
+    assert window_steps(4.0, 5, 1, 200.0, 100) == 50
+    assert window_steps(4.0, 5, 1, 200.0, 30) == 30
+    assert window_steps(4.0, 6, 4, 200.0, 100) == 52  # 50 rounded up to whole 4-step cycles
+    assert window_steps(50.0, 5, 1, 200.0, 100) == 5
+    assert window_steps(-990.0, 3, 1, 200.0, 100) == 3
+    assert window_steps(4.0, 5, 1, 0.0, 100) == 5  # 0 turns it off
+
+
+def test_the_closed_loop_stretches_its_window_alike_on_every_rank():
+    """A tiny model's steps take a few ms: with ``min_window_ms`` the initial plan's window grows from 3 steps to
+    what spans that time by the agreed step time, and both ranks take the same decisions at the same steps."""
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (0.0, 48, 0.0, 2, 0.0, 0.0, 150.0),
+                                                   timeout_s=240)]
+    for report in results:
+        initial = next(h for h in report["history"] if "measured the initial plan" in h["reason"])
+        measured = initial["closed_loop"]["measured_ms"]
+        assert measured * 3 < 150.0, "the test needs steps short enough that 3 of them span less than 150 ms"
+        window = initial["closed_loop"]["window_steps"]
+        assert 3 < window <= 40, initial
+        # stretched until the agreed time of the whole window spans 150 ms, or to the cap
+        assert window == 40 or window * measured >= 150.0, initial
+        assert window_steps(measured, window, initial["max_period"], 150.0, 40) == window, initial
+        assert initial["step"] == 2 + window  # the warm-up steps, then the stretched window
+    assert [(h["step"], h["plan_hash"]) for h in results[0]["history"]] == [
+        (h["step"], h["plan_hash"]) for h in results[1]["history"]]
+
+
+def test_a_duel_between_short_steps_gets_blocks_that_span_min_window_ms():
+    """The duel's block length comes from the plans' agreed sequential times (the faster one), so it is the same
+    on every rank."""
+    from types import SimpleNamespace
+
+    from deft_compile.step.closed_loop import ClosedLoop
+
+    class FakePlan:
+        def __init__(self, name: str, delay: int) -> None:
+            self.name, self.items = name, [SimpleNamespace(delay=delay, period=1, link=0)]
+
+        def hash(self) -> str:
+            return self.name
+
+    stale, synchronous = FakePlan("stale", 1), FakePlan("sync", 0)
+    loop = ClosedLoop(ClosedLoopConfig(min_window_ms=100.0, max_window_steps=50, duel_steps=3))
+    loop.measured = {"stale": (stale, 4.0), "sync": (synchronous, 5.0)}
+    loop._start_duel(SimpleNamespace(plan=stale), stale, synchronous, "settle")
+    assert loop.state == "duel" and loop.duel.block_steps == 25
+    loop = ClosedLoop(ClosedLoopConfig(min_window_ms=100.0, duel_steps=3))
+    loop.measured = {"stale": (stale, 40.0), "sync": (synchronous, 50.0)}
+    loop._start_duel(SimpleNamespace(plan=stale), stale, synchronous, "settle")
+    assert loop.duel.block_steps == 3

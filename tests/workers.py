@@ -794,20 +794,23 @@ def _mlp_with_delaying_profile(rank: int, world_size: int, steps: int):
 
 
 def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, drift_ms_per_step: float = 0.0,
-                    duel_rounds: int = 2, priority_ms: float = 0.0, base_ms: float = 0.0) -> dict:
+                    duel_rounds: int = 2, priority_ms: float = 0.0, base_ms: float = 0.0,
+                    min_window_ms: float = 0.0) -> dict:
     """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
     of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
     ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier);
     ``priority_ms`` is added to the priority plans (ByteScheduler's, US-Byte's), ``base_ms`` to every plan (so
     negative offsets still give positive times, whose ratios the duel compares). The Preserver is off: the
-    injected times are no model's, and its trades on a profile refined to them would be re-plans of their own."""
+    injected times are no model's, and its trades on a profile refined to them would be re-plans of their own.
+    ``min_window_ms`` is the loop's (0: windows of exactly ``measure_steps``, as the injected times assume)."""
     from deft_compile.preserver import PreserverConfig
     from deft_compile.step.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
-                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3,
-                                                     duel_rounds=duel_rounds, duel_steps=1))
+                        closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=min_window_ms, max_window_steps=40,
+                                                     warmup_steps=2, measure_steps=3, duel_rounds=duel_rounds,
+                                                     duel_steps=1))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
 
     def inject(plan) -> float:
@@ -842,7 +845,7 @@ def closed_loop_priority_run(rank: int, world_size: int, steps: int, replan_at: 
     scratch = copy.deepcopy(base)
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     config = DeftConfig(plan_options={"max_staleness": 0}, preserver=PreserverConfig(enabled=False),
-                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=1, measure_steps=2, duel_rounds=2,
+                        closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2, duel_rounds=2,
                                                      duel_steps=1))
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile, config=config)
     step.closed_loop.inject = lambda plan: -1000.0 if plan.policy in PRIORITY_POLICIES else 0.0
@@ -873,7 +876,7 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
     from deft_compile.preserver import PreserverConfig
 
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
-                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=2, measure_steps=3, duel_rounds=2,
+                        closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=2, measure_steps=3, duel_rounds=2,
                                                      duel_steps=1))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     kept: list[str] = []
@@ -967,7 +970,7 @@ def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
                                           preserver=PreserverConfig(start_synchronous=start_synchronous),
-                                          closed_loop=ClosedLoopConfig(enabled=closed_loop, warmup_steps=2,
+                                          closed_loop=ClosedLoopConfig(enabled=closed_loop, min_window_ms=0.0, warmup_steps=2,
                                                                        measure_steps=3, duel_rounds=4, duel_steps=3,
                                                                        tolerance=1e9)))
     step(*batches[0])
@@ -1036,7 +1039,7 @@ def control_group_run(rank: int, world_size: int, steps: int) -> dict:
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(check_every=2),
-                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=1, measure_steps=2, duel_rounds=1,
+                        closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2, duel_rounds=1,
                                                      duel_steps=1))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     used: list[str] = []
@@ -1130,7 +1133,7 @@ def closed_loop_hybrid_run(rank: int, world_size: int, steps: int, priority_sche
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         plan_options={"max_staleness": 0},
-                        closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=1, measure_steps=2, duel_rounds=2,
+                        closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2, duel_rounds=2,
                                                      duel_steps=1, priority_schedule=priority_schedule))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     step.closed_loop.inject = lambda plan: 1000.0 if plan.policy in PRIORITY_POLICIES else 2000.0
@@ -1163,7 +1166,7 @@ def priority_closed_loop_run(rank: int, world_size: int, policy: str, steps: int
     scratch = copy.deepcopy(base)
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=policy, profile=profile,
-                        config=DeftConfig(closed_loop=ClosedLoopConfig(enabled=True, warmup_steps=1, measure_steps=2)))
+                        config=DeftConfig(closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2)))
     step.closed_loop.inject = lambda plan: slower_ms
     report = []
     for t, (inputs, targets) in enumerate(batches):

@@ -6,7 +6,9 @@ prediction by more than ``tolerance`` (allocator effects, a busy machine,
 overlap the model does not capture), the plan may be wrong. The loop:
 
 1. ``observe``: after ``warmup_steps`` (new graphs compile), time
-   ``measure_steps`` steps of the current plan. A step that ran a graph cold
+   ``measure_steps`` steps of the current plan, or more when they span less than
+   ``min_window_ms`` (short steps: the window is stretched in steps, from the
+   agreed time of the first ones, so every rank stretches it alike). A step that ran a graph cold
    (Inductor compiling it, or the graph's first run before that) counts in the
    window but not in the plan's time; neither do the Preserver's measurements. Each rank takes the median of
    its step times; ranks agree on the maximum (an all-reduce MAX), so every rank
@@ -33,7 +35,8 @@ overlap the model does not capture), the plan may be wrong. The loop:
    measured synchronous one then run in ``duel_rounds`` interleaved rounds, the order alternating
    (P S, S P, P S, ...): each block runs one step after the switch, unmeasured
    (its graph and a first step of delayed items differ), then ``duel_steps``
-   measured steps (whole update periods). Each round gives the ratio of the two
+   measured steps (whole update periods; more when they would span less than
+   ``min_window_ms`` by the plans' agreed sequential times). Each round gives the ratio of the two
    blocks' medians (agreed across ranks); the plan with delays is kept only if
    the median ratio is below ``1 - min_gain``. A load trend then falls on both
    plans alike, as in the benchmarks' paired rounds. Skipped when the sequential
@@ -93,7 +96,15 @@ class ClosedLoopConfig:
             keeping the faster measured plan: ByteScheduler's paper tunes its
             partition and credit online from measured step times.
         warmup_steps: steps after a plan change not measured (graphs compile).
-        measure_steps: steps timed per plan (their median counts).
+        measure_steps: steps timed per plan (their median counts), at least; see ``min_window_ms``.
+        min_window_ms: a window (and a duel's block) spans at least this much measured time: when
+            ``measure_steps`` steps (``duel_steps`` in a duel) of a plan take less, the window grows to
+            ``ceil(min_window_ms / step)`` steps, at most ``max_window_steps`` (``window_steps``). Why: five
+            steps of a 100-500 ms step (the suite's models) span a second, but five 4 ms steps span 20 ms,
+            where one scheduler hiccup or a burst of another process decides the median, and then the plan.
+            The step time that sets the length is agreed across ranks, so every rank ends the window at the
+            same step. 0 turns it off (the tests that inject times do).
+        max_window_steps: the most steps ``min_window_ms`` may stretch a window or a duel block to.
         tolerance: relative gap between measured and predicted step time above
             which the profile is refined and the plan re-solved (any measured
             plan's). Not 0.1, though it would refine BERT's profile (its plans
@@ -146,6 +157,8 @@ class ClosedLoopConfig:
     enabled: bool | None = None
     warmup_steps: int = 3
     measure_steps: int = 5
+    min_window_ms: float = 200.0
+    max_window_steps: int = 50
     tolerance: float = 0.2
     min_gain: float = 0.01
     duel_rounds: int = 4
@@ -284,6 +297,17 @@ def measure_window(plan, measure_steps: int) -> int:
     return cycles * period
 
 
+def window_steps(step_ms: float, steps: int, period: int, min_window_ms: float, max_steps: int) -> int:
+    """Steps a window (or a duel block) of ``steps`` steps of ``step_ms`` each must span to cover
+    ``min_window_ms`` of measured time: ``steps`` when they already do (or ``step_ms`` is no time, as an injected
+    test time can be), else ``ceil(min_window_ms / step_ms)`` up to ``max_steps`` (never fewer than ``steps``),
+    in whole update periods of ``period`` steps."""
+    if step_ms <= 0 or step_ms * steps >= min_window_ms:
+        return steps
+    wanted = max(steps, min(max_steps, math.ceil(min_window_ms / step_ms)))
+    return period * math.ceil(wanted / period)
+
+
 def plan_step_ms(times_ms: list[float], period: int, cold: list[bool] | None = None) -> float:
     """A plan's step time from consecutive step times: the median step, or with update periods the median over
     whole ``period``-step cycles of the cycle's mean (every K-th step communicates; the median step would not).
@@ -318,11 +342,12 @@ class Duel:
     times: list[float] = field(default_factory=list)  # measured step times of the current block
     cold: list[bool] = field(default_factory=list)  # per measured step: it ran a graph cold (left out)
     medians: list[float] = field(default_factory=list)  # agreed block medians, in block order
+    block_steps: int = 1  # measured steps per block (``duel_steps``, or more for short steps: ``min_window_ms``)
 
     @classmethod
-    def between(cls, stale, synchronous, rounds: int, why: str) -> "Duel":
+    def between(cls, stale, synchronous, rounds: int, why: str, block_steps: int = 1) -> "Duel":
         order = [i for r in range(rounds) for i in ((0, 1) if r % 2 == 0 else (1, 0))]
-        return cls((stale, synchronous), why, order)
+        return cls((stale, synchronous), why, order, block_steps=block_steps)
 
     @property
     def current(self):
@@ -348,6 +373,7 @@ class ClosedLoop:
         self.state = "observe"
         self.inject: Callable[[Any], float] | None = None  # extra ms added to a plan's measured steps
         self.measured: dict[str, tuple[Any, float]] = {}  # plan hash -> (plan, agreed measured ms)
+        self.windows: dict[str, int] = {}  # plan hash -> steps its (latest sequential) measurement spanned
         self.synchronous_only = False
         self.scales: tuple[float, float] = (1.0, 1.0)
         self.duel: Duel | None = None
@@ -356,6 +382,7 @@ class ClosedLoop:
         self._since_change = 0
         self._times: list[float] = []
         self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
+        self._window: int | None = None  # steps of the current window once stretched (``min_window_ms``)
         self._refined = False
         self._initial = None  # the plan measured first: the refined re-plan solves with its options
         self.gap = 0.0
@@ -383,6 +410,7 @@ class ClosedLoop:
             self._expect = step.plan.hash()
         if step.plan.hash() != self._expect:  # someone else (the Preserver) switched
             self._expect, self._since_change, self._times, self._cold = step.plan.hash(), 0, [], []
+            self._window = None
             if self.state in ("settled", "duel"):
                 self.duel = None
                 self.state = "settled"
@@ -399,9 +427,20 @@ class ClosedLoop:
             return
         self._times.append(seconds * 1e3 + extra)
         self._cold.append(not measurable)
-        if len(self._times) < measure_window(step.plan, self.config.measure_steps):
+        planned = self._window or measure_window(step.plan, self.config.measure_steps)
+        if len(self._times) < planned:
             return
         measured = self._agree(step, plan_step_ms(self._times, max_period(step.plan), self._cold))
+        # the agreed time says whether the window spans enough time (the same on every rank); asked again at the
+        # stretched length, since the first steps after a switch run slower and stretch it too little
+        stretched = window_steps(measured, planned, max_period(step.plan), self.config.min_window_ms,
+                                 self.config.max_window_steps)
+        if stretched > planned:
+            self._window = stretched
+            log.info("closed loop: %.2f ms steps, window stretched from %d to %d steps (min_window_ms %.0f)",
+                     measured, planned, stretched, self.config.min_window_ms)
+            return
+        self.windows[step.plan.hash()] = len(self._times)
         self.measured[step.plan.hash()] = (step.plan, measured)
         if self.state == "observe":
             self._after_observe(step, measured)
@@ -422,7 +461,8 @@ class ClosedLoop:
         plan = step.plan
         predicted = float(plan.predicted_iteration_ms or 0.0)
         self.gap = abs(measured - predicted) / measured if measured > 0 else 0.0
-        self._note(step, "closed loop: measured the initial plan", plan, measured, predicted, gap=self.gap)
+        self._note(step, "closed loop: measured the initial plan", plan, measured, predicted, gap=self.gap,
+                   window_steps=self.windows.get(plan.hash()))
         self._initial = plan
         self._queue = []
         if not _is_synchronous(plan):
@@ -607,7 +647,12 @@ class ClosedLoop:
 
     # -- the duel -------------------------------------------------------------------------
     def _start_duel(self, step, stale, synchronous, why: str) -> None:
-        self.duel = Duel.between(stale, synchronous, self.config.duel_rounds, why)
+        # blocks long enough in time: from the faster of the two plans' agreed measurements (the same on every rank)
+        # (a plan with update periods rounds its blocks up to whole periods in ``_duel_step``)
+        known = [self.measured[p.hash()][1] for p in (stale, synchronous) if p.hash() in self.measured]
+        block = window_steps(min(known, default=0.0), self.config.duel_steps, 1, self.config.min_window_ms,
+                             self.config.max_window_steps)
+        self.duel = Duel.between(stale, synchronous, self.config.duel_rounds, why, block_steps=block)
         self.state = "duel"
         log.info("closed loop: duel of %s (stale) against %s (synchronous), %d interleaved rounds",
                  stale.hash()[:12], synchronous.hash()[:12], self.config.duel_rounds)
@@ -622,7 +667,7 @@ class ClosedLoop:
         duel.times.append(ms)
         duel.cold.append(cold)
         period = max_period(step.plan)
-        if len(duel.times) < period * math.ceil(self.config.duel_steps / period):
+        if len(duel.times) < period * math.ceil(duel.block_steps / period):
             return
         duel.medians.append(self._agree(step, plan_step_ms(duel.times, period, duel.cold)))
         duel.block, duel.steps, duel.times, duel.cold = duel.block + 1, 0, [], []
@@ -636,7 +681,8 @@ class ClosedLoop:
         self.measured[stale.hash()] = (stale, duel.plan_ms(0))
         self.measured[synchronous.hash()] = (synchronous, duel.plan_ms(1))
         record = {"duel": {"why": duel.why, "ratios": [round(r, 4) for r in ratios], "median_ratio": round(ratio, 4),
-                           "stale_plan": stale.hash(), "synchronous_plan": synchronous.hash()}}
+                           "stale_plan": stale.hash(), "synchronous_plan": synchronous.hash(),
+                           "block_steps": duel.block_steps}}
         verdict = f"median ratio {ratio:.3f} over {len(ratios)} interleaved rounds"
         if ratio < 1.0 - self.config.min_gain:
             self._settle(step, stale, duel.plan_ms(0), f"plan with delays won the duel ({verdict})", **record)
@@ -648,6 +694,7 @@ class ClosedLoop:
     def _switch(self, step, plan, reason: str, record: bool = True, **extra: Any) -> None:
         step.switch_plan(plan.options, reason, plan=plan, record=record)
         self._expect, self._since_change, self._times, self._cold = step.plan.hash(), 0, [], []
+        self._window = None
         if record:
             step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales),
                                                     "contention": step.profile.contention, **extra}
