@@ -135,19 +135,16 @@ def eager_step(module: Any, optimizer: Any, loss_fn: Any):
     return run
 
 
-def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any, control: Any = None) -> None:
+def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any) -> None:
     """Warm up a plan with an update period further, until one whole cycle runs without capturing a graph.
 
     With a period K the first cycles meet new graph variants (a phase with an accumulator carried in,
-    for example); timing those steps would time compilation. Every rank takes the same decision (one
-    all-reduce of a flag per step, on ``control``: see ``_settle_closed_loop``), so collectives stay matched.
-    Bounded: at most 4 cycles + 4 steps.
+    for example); timing those steps would time compilation. Every rank captures the same graphs at the same
+    steps (the same plan, phases and shapes), so each decides alone and all stop at the same step
+    (``_warmed_up_alike`` checks). Bounded: at most 4 cycles + 4 steps.
     """
     if plan is None:
         return
-    import torch
-    import torch.distributed as dist
-
     from deft_compile.debug.artifacts import plan_cycle
 
     cycle, quiet, extra = plan_cycle(plan), 0, 0
@@ -156,40 +153,46 @@ def _settle(name: str, call: Callable[[str], tuple[float, bool]], plan: Any, con
     while quiet < cycle and extra < 4 * cycle + 4:
         _, retraced = call(name)
         extra += 1
-        flag = torch.tensor([1.0 if retraced else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
-        quiet = 0 if flag.item() else quiet + 1
+        quiet = 0 if retraced else quiet + 1
 
 
-def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, step: Any, limit: int = 150,
-                        control: Any = None) -> None:
+def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, step: Any, limit: int = 150) -> None:
     """Warm up until closed-loop planning (``deft_compile.step.closed_loop``) settled on a plan: its measured
     trials switch plans and retrace, which the timed steps must not include. A Preserver that starts
     synchronous (``PreserverConfig.start_synchronous``) first trades once its prices exist, after
     ``staleness_every`` steps, and the closed loop then duels the traded plan: the warm-up runs past that
-    first trade too. Ranks decide together (the decisions are agreed, so the flags are equal; the all-reduce
-    keeps collectives matched). Bounded.
+    first trade too. Bounded.
 
-    The flags go on ``control``, a group of the bench's own: on the data-parallel group the flag's all-reduce
-    after each step would wait for the gradients that step left in flight (a priority or delayed plan waits for
-    them in the next step), taking that wait out of the steps the closed loop times. Its trials then measured
-    such plans 20-40 % faster than they ran (docs/BENCHMARKS.md, session 9)."""
+    Each rank decides alone: the closed loop's and the Preserver's decisions are agreed across ranks at the
+    same steps, so every rank leaves at the same step (``_warmed_up_alike`` checks). Not a flag all-reduced
+    after every step, as before session 14: that is a synchronisation between steps that training does not
+    have, and its packets queue behind the gradients a delayed or priority plan leaves in flight (on the
+    shaped link, whatever the group), so the closed loop's trials timed such plans with part of their carried
+    communication done outside the timed steps (docs/BENCHMARKS.md, session 14). Session 9 moved the flags off
+    the data-parallel group for the same reason (gloo's queue); the link's queue remained."""
     loop = getattr(step, "closed_loop", None)
     if loop is None:
         return
-    import torch
-    import torch.distributed as dist
-
     preserver = getattr(step, "preserver", None)
     first_trade = (preserver.config.staleness_every + 1 if preserver is not None and preserver.start_synchronous
                    else 0)
     for _ in range(limit):
-        waiting = loop.state != "settled" or step.step_count < first_trade
-        flag = torch.tensor([1.0 if waiting else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
-        if not flag.item():
+        if loop.state == "settled" and step.step_count >= first_trade:
             return
         call(name)
+
+
+def _warmed_up_alike(name: str, steps: int, control: Any) -> None:
+    """Raise if the ranks ran different numbers of warm-up steps of ``name`` (a decision not agreed across
+    ranks): their timed steps would not pair collectives. One all-reduce after the warm-up, not one per step."""
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.tensor([float(steps), -float(steps)], dtype=torch.float64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=control)
+    if counts[0].item() != -counts[1].item():
+        raise RuntimeError(f"bench: the ranks warmed up {name} for different numbers of steps "
+                           f"({-counts[1].item():.0f} to {counts[0].item():.0f}): a decision was not agreed")
 
 
 def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -213,7 +216,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
             for i in range(cfg["batch_pool"])]
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     solo = [new_group(ranks=[r]) for r in range(world_size)][rank]  # new_group is collective: every rank makes all
-    control = new_group(ranks=list(range(world_size)))  # the warm-up's flags, beside the gradients in flight
+    control = new_group(ranks=list(range(world_size)))  # the warm-up's check, beside the gradients in flight
     # the overlap bound's all-reduce on a group of its own, its threads placed as a step's (emulation)
     bound_group = new_group(ranks=list(range(world_size))) if OVERLAP_BOUND in cfg["variants"] else None
     allreduce_ms = measure_allreduce(None, [grad_bytes], repeats=cfg["link_repeats"], warmup=1)[0][1]
@@ -284,9 +287,10 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         started = time.perf_counter()
         for _ in range(cfg["warmup"]):
             call(name)
-        _settle_closed_loop(call, name, runners[name], control=control)
-        _settle(name, call, getattr(runners[name], "plan", None), control=control)
+        _settle_closed_loop(call, name, runners[name])
+        _settle(name, call, getattr(runners[name], "plan", None))
         warmup_s[name] = time.perf_counter() - started
+        _warmed_up_alike(name, counters[name], control)
 
     names = list(runners)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -307,6 +311,12 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     if progress is not None:
         progress.close()
     dist.barrier()
+    by_rank: dict[str, list[list[float]]] = {}  # every rank's own step times (each rank's block sums are its wall time)
+    for name in names:
+        mine = torch.tensor(samples[name], dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine)
+        by_rank[name] = [t.tolist() for t in gathered]
     for name in names:  # a step's time is the slowest rank's
         times = torch.tensor(samples[name], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -349,7 +359,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         if rank == 0:
             measured = _wait_share(target)
 
-    result: dict[str, Any] = {"samples_ms": samples, "schedule_ms": schedule, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
+    result: dict[str, Any] = {"samples_ms": samples, "samples_by_rank_ms": by_rank, "schedule_ms": schedule, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
                               "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff}
     if rank == 0:
         result.update(
@@ -626,7 +636,8 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         "steps": {"warmup": warmup, "rounds": rounds, "block": block, "timed": rounds * block},
         "retraced": value["retraced"],
         "identical_ddp_wfbp": value["identical_ddp_wfbp"], "max_abs_diff_ddp_wfbp": value["max_abs_diff_ddp_wfbp"],
-        "rows": rows, "samples_ms": value["samples_ms"], "schedule_ms": value.get("schedule_ms"),
+        "rows": rows, "samples_ms": value["samples_ms"], "samples_by_rank_ms": value.get("samples_by_rank_ms"),
+        "schedule_ms": value.get("schedule_ms"),
         "losses": value["losses"], "plans": value["plans"], "profiles": value["profiles"],
         "plan_history": value["plan_history"], "preserver": value["preserver"],
         "preserver_dismissed": value["preserver_dismissed"],
