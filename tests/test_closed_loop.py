@@ -13,7 +13,7 @@ from deft_compile.step.closed_loop import (ClosedLoopConfig, contention_parts, r
                                          window_steps)
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
-from workers import check_entry, closed_loop_run, control_group_run
+from workers import check_entry, closed_loop_recheck_run, closed_loop_run, control_group_run
 
 
 def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
@@ -344,3 +344,30 @@ def test_a_duel_between_short_steps_gets_blocks_that_span_min_window_ms():
     loop.measured = {"stale": (stale, 40.0), "sync": (synchronous, 50.0)}
     loop._start_duel(SimpleNamespace(plan=stale), stale, synchronous, "settle")
     assert loop.duel.block_steps == 3
+
+
+def test_a_settled_plan_with_delays_that_slows_down_duels_again_and_goes_synchronous():
+    """Injected: the plan with delays is 400 ms faster until step 40, then 400 ms slower (the host got busy).
+    The loop keeps it, re-checks it every 6 steps, finds it slower than when chosen, duels again and runs the
+    synchronous plan; both ranks decide alike."""
+    results = [r.value for r in run_local_workers(closed_loop_recheck_run, 2, (70, 40), timeout_s=240)]
+    for report in results:
+        reasons = [h["reason"] for h in report["history"]]
+        won = next(i for i, r in enumerate(reasons) if "plan with delays won the duel" in r)
+        recheck = next(i for i, r in enumerate(reasons) if "closed loop re-check" in r)
+        assert won < recheck and report["history"][recheck]["step"] > 40, reasons
+        assert report["history"][recheck]["closed_loop"]["measured_ms"] > report["history"][recheck][
+            "closed_loop"]["chosen_ms"] * 1.15
+        assert "synchronous plan won the duel" in reasons[-1] and report["history"][-1]["closed_loop"]["duel"][
+            "why"] == "re-check", reasons
+        assert report["final_delayed"] == 0 and report["state"] == "settled"
+    assert [h["reason"] for h in results[0]["history"]] == [h["reason"] for h in results[1]["history"]]
+
+
+def test_a_settled_plan_with_delays_that_keeps_its_speed_is_rechecked_and_kept():
+    results = [r.value for r in run_local_workers(closed_loop_recheck_run, 2, (70, None), timeout_s=240)]
+    for report in results:
+        reasons = [h["reason"] for h in report["history"]]
+        assert any("plan with delays won the duel" in r for r in reasons), reasons
+        assert not any("re-check" in r for r in reasons), reasons
+        assert report["final_delayed"] > 0 and report["state"] == "settled"

@@ -830,6 +830,33 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
             "history": [{k: v for k, v in h.items()} for h in step.plan_history]}
 
 
+def closed_loop_recheck_run(rank: int, world_size: int, steps: int, flip_at: int | None) -> dict:
+    """deft whose plans with delays measure (injected) 400 ms faster than the synchronous plans until step
+    ``flip_at`` and 400 ms slower from then on (a host that got busy; None: never), every plan on a 1000 ms base.
+    The loop settles on the plan with delays, re-checks it every 6 steps and must duel again once it slowed."""
+    from deft_compile.preserver import PreserverConfig
+    from deft_compile.step.closed_loop import ClosedLoopConfig
+
+    model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
+    config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
+                        closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2,
+                                                     duel_rounds=2, duel_steps=1, priority_candidate=False,
+                                                     recheck_every=6))
+    step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
+
+    def inject(plan) -> float:
+        stale = any(item.delay or item.period > 1 for item in plan.items)
+        slowed = flip_at is not None and step.step_count >= flip_at
+        return 1000.0 + ((400.0 if slowed else -400.0) if stale else 0.0)
+
+    step.closed_loop.inject = inject
+    for t in range(steps):
+        step(*batches[t])
+    step.flush()
+    return {"final_delayed": sum(1 for item in step.plan.items if item.delay), "state": step.closed_loop.state,
+            "history": [{k: v for k, v in h.items()} for h in step.plan_history]}
+
+
 def closed_loop_priority_run(rank: int, world_size: int, steps: int, replan_at: int) -> dict:
     """deft kept synchronous (``max_staleness=0``, no Preserver) with the closed loop on: it must also measure a
     priority plan (ByteScheduler's or US-Byte's), settle on it when it measures fastest (``inject`` makes it so),

@@ -43,7 +43,9 @@ overlap the model does not capture), the plan may be wrong. The loop:
    numbers already put the plan with delays ``duel_margin`` or more above the
    synchronous one.
 4. ``settled``: the winner runs from then on. If the synchronous plan won,
-   later re-plans (the Preserver's) keep ``max_staleness=0``.
+   later re-plans (the Preserver's) keep ``max_staleness=0``. A plan with delays
+   or periods is timed again every ``recheck_every`` steps and, if it runs more
+   than ``recheck_margin`` slower than when it was chosen, duels again.
 
 5. A plan someone else adopts after settling (the Preserver's trade re-plans from
    prices and the simulator) goes through the same duel against the synchronous
@@ -123,6 +125,12 @@ class ClosedLoopConfig:
             period), after one unmeasured step following the switch.
         duel_margin: no duel when the sequential measurements put the plan with
             delays this fraction or more above the synchronous one.
+        recheck_every: settled on a plan with delays or update periods, time one window of it every this
+            many steps (0: never) and, when it runs more than ``recheck_margin`` slower than when it was chosen,
+            duel it against the fastest synchronous plan again (``why="re-check"`` in the record): the choice
+            was made under one moment's load, and a plan that overlaps more loses more when the cores get busy.
+            One agreed all-reduce per re-check, on the control group.
+        recheck_margin: see ``recheck_every``.
         priority_candidate: for ``policy="deft"``, also measure the priority
             plans (``PRIORITY_POLICIES``: ByteScheduler's and US-Byte's) as
             synchronous candidates. They give DDP's numbers and overlap
@@ -164,6 +172,8 @@ class ClosedLoopConfig:
     duel_rounds: int = 4
     duel_steps: int = 3
     duel_margin: float = 0.25
+    recheck_every: int = 200
+    recheck_margin: float = 0.15
     priority_candidate: bool = True
     fit_contention: bool = False
     priority_schedule: bool = False
@@ -421,15 +431,28 @@ class ClosedLoop:
             self._duel_step(step, seconds * 1e3 + extra, not measurable)
             return
         if self.state == "settled":
+            self._recheck_step(step, seconds * 1e3 + extra, not measurable)
             return
         self._since_change += 1
         if self._since_change <= self.config.warmup_steps:
             return
-        self._times.append(seconds * 1e3 + extra)
-        self._cold.append(not measurable)
+        measured = self._window_step(step, seconds * 1e3 + extra, not measurable)
+        if measured is None:
+            return
+        self.windows[step.plan.hash()] = len(self._times)
+        self.measured[step.plan.hash()] = (step.plan, measured)
+        if self.state == "observe":
+            self._after_observe(step, measured)
+        else:
+            self._next_trial(step)
+
+    def _window_step(self, step, ms: float, cold: bool) -> float | None:
+        """Add one step to the current window; the plan's agreed time once the window is complete, else None."""
+        self._times.append(ms)
+        self._cold.append(cold)
         planned = self._window or measure_window(step.plan, self.config.measure_steps)
         if len(self._times) < planned:
-            return
+            return None
         measured = self._agree(step, plan_step_ms(self._times, max_period(step.plan), self._cold))
         # the agreed time says whether the window spans enough time (the same on every rank); asked again at the
         # stretched length, since the first steps after a switch run slower and stretch it too little
@@ -439,13 +462,32 @@ class ClosedLoop:
             self._window = stretched
             log.info("closed loop: %.2f ms steps, window stretched from %d to %d steps (min_window_ms %.0f)",
                      measured, planned, stretched, self.config.min_window_ms)
+            return None
+        return measured
+
+    def _recheck_step(self, step, ms: float, cold: bool) -> None:
+        """Settled on a plan with delays or periods: every ``recheck_every`` steps, time one window of it; if it
+        runs more than ``recheck_margin`` slower than when it was chosen, duel it against the fastest
+        synchronous plan again. Why: the choice was made under the load of that moment (another job on the host,
+        the other rank's data), and a plan that overlaps more loses more when the cores get busy."""
+        plan = step.plan
+        if (not self.config.recheck_every or _is_synchronous(plan) or plan.hash() not in self.measured
+                or not any(_is_synchronous(p) for p, _ in self.measured.values())):
             return
-        self.windows[step.plan.hash()] = len(self._times)
-        self.measured[step.plan.hash()] = (step.plan, measured)
-        if self.state == "observe":
-            self._after_observe(step, measured)
-        else:
-            self._next_trial(step)
+        self._since_change += 1
+        if self._since_change <= self.config.recheck_every:
+            return
+        measured = self._window_step(step, ms, cold)
+        if measured is None:
+            return
+        self._since_change, self._times, self._cold, self._window = 0, [], [], None
+        chosen = self.measured[plan.hash()][1]
+        if measured <= chosen * (1.0 + self.config.recheck_margin):
+            log.debug("closed loop re-check: %.1f ms, %.1f ms when chosen: kept", measured, chosen)
+            return
+        self._note(step, f"closed loop re-check: the plan measured {measured:.1f} ms, {chosen:.1f} ms when chosen: "
+                   "duel again", plan, measured, float(plan.predicted_iteration_ms or 0.0), chosen_ms=chosen)
+        self._start_duel(step, plan, self._fastest_synchronous()[0], "re-check")
 
     # -- decisions ----------------------------------------------------------------------
     def _agree(self, step, value: float) -> float:
@@ -610,6 +652,7 @@ class ClosedLoop:
         self.priority_schedule = self._measured_priority_schedule(step, plan)
         self.state = "settled"
         self.duel = None
+        self._since_change, self._times, self._cold, self._window = 0, [], [], None  # re-checks count from here
         extra = {"candidates": self._candidates(step), **extra}
         if plan.hash() != step.plan.hash():
             self._switch(step, plan, f"closed loop: {why} ({ms:.1f} ms)", **extra)
