@@ -259,9 +259,13 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
             coverage = statistics.median([r["coverage_rate"] for r in runs if r.get("coverage_rate")] or [0.0])
             results.append({"model": model, "rate": rate, "coverage_target": target, "coverage_measured": coverage,
                             "aggregate": aggregate(runs),
-                            # plans and profiles too, so a simulator change can be re-checked on measured rows
+                            # plans and profiles too, so a simulator change can be re-checked on measured rows; and
+                            # every step's time (each rank's, and which captured a graph), so an odd launch can be
+                            # taken apart afterwards (session 14's BERT launch at 1.10x DDP could not)
                             "runs": [{k: r[k] for k in ("rows", "plan_history", "wall_s", "coverage_rate", "plans",
-                                                        "profiles", "preserver_dismissed") if k in r} for r in runs]})
+                                                        "profiles", "preserver_dismissed", "samples_ms",
+                                                        "samples_by_rank_ms", "schedule_ms", "retraced", "steps")
+                                      if k in r} for r in runs]})
             print(table(results[-1:]), flush=True)
             partial = Path(args.out)  # every finished row is kept, so an interrupted suite loses nothing measured
             partial.parent.mkdir(parents=True, exist_ok=True)

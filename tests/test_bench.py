@@ -179,6 +179,21 @@ def test_preserver_time_is_timed_apart_from_the_schedule():
     assert analyse(value, block=2)["deft"]["schedule_ms"] is None
 
 
+def test_each_ranks_own_block_time_is_reported_beside_the_per_step_maximum():
+    """Ranks whose long steps alternate (gradients waited for in the next step): the per-step maximum is always
+    the long step, each rank's own block is half long, half short. Retraced steps are left out of both."""
+    by_rank = {"floor": [[10.0] * 4, [10.0] * 4], "deft": [[10.0, 20.0, 10.0, 20.0], [20.0, 10.0, 20.0, 10.0]]}
+    value = {"samples_ms": {"floor": [10.0] * 4, "deft": [20.0] * 4}, "samples_by_rank_ms": by_rank,
+             "losses": {"floor": [1.0] * 4, "deft": [1.0] * 4}, "warmup_s": {"floor": 0.0, "deft": 0.0}}
+    rows = analyse(value, block=2)
+    assert rows["deft"]["step_ms"] == pytest.approx(20.0) and rows["deft"]["slower_rank_ms"] == pytest.approx(15.0)
+    value["retraced"] = {"floor": [False] * 4, "deft": [False, False, True, False]}
+    rows = analyse(value, block=2)
+    assert rows["deft"]["slower_rank_ms"] == pytest.approx(17.5)  # blocks 15 and max(20, 10)
+    del value["samples_by_rank_ms"]  # results written before every rank's times were kept
+    assert analyse(value, block=2)["deft"]["slower_rank_ms"] is None
+
+
 def test_demo_says_unshaped_without_bandwidth():
     rate, note = choose_network(None)
     assert rate is None and "unshaped" in note
