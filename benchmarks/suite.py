@@ -264,7 +264,8 @@ def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
                             # taken apart afterwards (session 14's BERT launch at 1.10x DDP could not)
                             "runs": [{k: r[k] for k in ("rows", "plan_history", "wall_s", "coverage_rate", "plans",
                                                         "profiles", "preserver_dismissed", "samples_ms",
-                                                        "samples_by_rank_ms", "schedule_ms", "retraced", "steps")
+                                                        "samples_by_rank_ms", "block_wall_ms", "schedule_ms", "retraced",
+                                                        "steps")
                                       if k in r} for r in runs]})
             print(table(results[-1:]), flush=True)
             partial = Path(args.out)  # every finished row is kept, so an interrupted suite loses nothing measured

@@ -194,6 +194,18 @@ def test_each_ranks_own_block_time_is_reported_beside_the_per_step_maximum():
     assert analyse(value, block=2)["deft"]["slower_rank_ms"] is None
 
 
+def test_the_wall_clock_block_time_leaves_out_blocks_that_compiled():
+    value = {"samples_ms": {"floor": [10.0] * 4, "deft": [20.0] * 4},
+             "block_wall_ms": {"floor": [20.0, 22.0], "deft": [31.0, 90.0]},
+             "retraced": {"floor": [False] * 4, "deft": [False, False, True, False]},
+             "losses": {"floor": [1.0] * 4, "deft": [1.0] * 4}, "warmup_s": {"floor": 0.0, "deft": 0.0}}
+    rows = analyse(value, block=2)
+    assert rows["floor"]["wall_block_ms"] == pytest.approx(10.5)
+    assert rows["deft"]["wall_block_ms"] == pytest.approx(15.5)  # the second block captured a graph
+    del value["block_wall_ms"]
+    assert analyse(value, block=2)["deft"]["wall_block_ms"] is None
+
+
 def test_demo_says_unshaped_without_bandwidth():
     rate, note = choose_network(None)
     assert rate is None and "unshaped" in note

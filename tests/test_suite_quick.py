@@ -28,6 +28,13 @@ def test_quick_suite_writes_results_and_docs(tmp_path):
     rows = data["results"][0]["aggregate"]
     assert {"floor", "ddp", "wfbp", "deft"} <= set(rows)
     assert all(rows[name]["step_ms"]["median"] > 0 for name in rows)
+    # every launch keeps each rank's step times and each block's wall-clock span; the rows derived from them are
+    # times of the same steps: a block's wall time per step is at least its slower rank's own mean step
+    for run in data["results"][0]["runs"]:
+        assert len(run["samples_by_rank_ms"]["deft"]) == 2 and len(run["block_wall_ms"]["deft"]) == run["steps"]["rounds"]
+        for name, row in run["rows"].items():
+            if row.get("wall_block_ms") is not None and not row["retraced_steps"]:  # same blocks on both sides
+                assert row["wall_block_ms"] >= 0.99 * row["slower_rank_ms"] > 0, (name, row)
     text = docs.read_text()
     assert suite.BEGIN in text and "| vgg16-bn-tiny |" in text
     suite.write_docs(data["results"], data["meta"], docs, None)  # regenerating replaces the section

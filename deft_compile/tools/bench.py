@@ -297,6 +297,9 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     samples: dict[str, list[float]] = {name: [] for name in names}
     schedule: dict[str, list[float]] = {name: [] for name in names}  # the same steps without the Preserver's time
     traced: dict[str, list[float]] = {name: [] for name in names}
+    # per block, this rank's start and end of the timed steps on the host's monotonic clock (perf_counter), which
+    # the local workers share: the block's wall time runs from the first rank's start to the last rank's end
+    spans: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(cfg["rounds"]):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -304,11 +307,13 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
                 progress.set_postfix_str(f"round {round_index + 1}/{cfg['rounds']} {name}")
             dist.barrier()
             call(name)  # absorbs whatever the previous block left on the link
+            begun = time.perf_counter()
             for _ in range(cfg["block"]):
                 seconds, retraced = call(name)
                 samples[name].append(seconds * 1e3)
                 schedule[name].append((seconds - own_seconds[name]) * 1e3)
                 traced[name].append(1.0 if retraced else 0.0)
+            spans[name] += [begun, time.perf_counter()]
     if progress is not None:
         progress.close()
     dist.barrier()
@@ -318,6 +323,13 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         gathered = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(gathered, mine)
         by_rank[name] = [t.tolist() for t in gathered]
+    block_wall: dict[str, list[float]] = {}  # per block: (last rank's end - first rank's start) in ms
+    for name in names:
+        mine = torch.tensor(spans[name], dtype=torch.float64).view(-1, 2)
+        gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine)
+        both = torch.stack(gathered)  # rank, block, (start, end)
+        block_wall[name] = ((both[:, :, 1].max(dim=0).values - both[:, :, 0].min(dim=0).values) * 1e3).tolist()
     for name in names:  # a step's time is the slowest rank's
         times = torch.tensor(samples[name], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -360,7 +372,8 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         if rank == 0:
             measured = _wait_share(target)
 
-    result: dict[str, Any] = {"samples_ms": samples, "samples_by_rank_ms": by_rank, "schedule_ms": schedule, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
+    result: dict[str, Any] = {"samples_ms": samples, "samples_by_rank_ms": by_rank, "block_wall_ms": block_wall,
+                              "schedule_ms": schedule, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
                               "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff}
     if rank == 0:
         result.update(
@@ -511,6 +524,19 @@ def slower_rank_block_ms(by_rank: dict[str, list[list[float]]], retraced: dict[s
     return out
 
 
+def wall_block_ms(walls: dict[str, list[float]], retraced: dict[str, list[bool]], block: int) -> dict[str, float]:
+    """Per variant: the median over blocks of the block's wall-clock time per timed step, from the first rank's
+    start to the last rank's end (``block_wall_ms``, one entry per block). No choice of per-step statistic: the
+    time the block took. Blocks with a step that captured a graph are left out (its compile is in the span)."""
+    out: dict[str, float] = {}
+    for name, spans in walls.items():
+        flags = retraced.get(name) or [False] * (len(spans) * block)
+        kept = [ms / block for i, ms in enumerate(spans) if not any(flags[i * block:(i + 1) * block])]
+        if kept:
+            out[name] = statistics.median(kept)
+    return out
+
+
 def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
     """Rows per variant from rank 0's result (every number from this one run).
 
@@ -533,6 +559,7 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
     blocks, step = per_block(samples)
     _, schedule_step = per_block(value.get("schedule_ms") or {})
     slower_rank = slower_rank_block_ms(value.get("samples_by_rank_ms") or {}, retraced, block)
+    wall = wall_block_ms(value.get("block_wall_ms") or {}, retraced, block)
     floor, ddp = step.get("floor"), step.get("ddp")
     rows: dict[str, dict[str, Any]] = {}
     for name, times in samples.items():
@@ -563,6 +590,8 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
             "preserver_ms": (step[name] - schedule_step[name]) if name in step and name in schedule_step else None,
             # each rank's own block mean, the slower rank's, median over blocks: the block's wall time per step
             "slower_rank_ms": slower_rank.get(name),
+            # the block's wall-clock time per step, first rank's start to last rank's end, median over blocks
+            "wall_block_ms": wall.get(name),
         }
         if name in value.get("plans", {}):
             plan = Plan.from_json(value["plans"][name])
@@ -661,6 +690,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         "retraced": value["retraced"],
         "identical_ddp_wfbp": value["identical_ddp_wfbp"], "max_abs_diff_ddp_wfbp": value["max_abs_diff_ddp_wfbp"],
         "rows": rows, "samples_ms": value["samples_ms"], "samples_by_rank_ms": value.get("samples_by_rank_ms"),
+        "block_wall_ms": value.get("block_wall_ms"),
         "schedule_ms": value.get("schedule_ms"),
         "losses": value["losses"], "plans": value["plans"], "profiles": value["profiles"],
         "plan_history": value["plan_history"], "preserver": value["preserver"],
