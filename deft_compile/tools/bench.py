@@ -508,11 +508,13 @@ def slower_rank_block_ms(by_rank: dict[str, list[list[float]]], retraced: dict[s
                          block: int) -> dict[str, float]:
     """Per variant: the median over blocks of the slower rank's mean step in the block (each rank's own times).
 
-    ``step_ms`` averages the per-step maximum over ranks, which charges a plan whose ranks do not meet at the
-    end of every step twice for jitter: rank 0's step i and rank 1's step i are not the same stretch of time
-    when the gradients are waited for in the next step. A rank's block mean is its wall time for the block
-    per step, so this is the block's throughput. Measured: equal to ``step_ms`` within 2 % in accelerator
-    emulation, 3 % lower for ``deft`` on BERT in normal mode (``benchmarks/results/s14-diag``)."""
+    ``step_ms`` averages the per-step maximum over ranks, which could charge a plan whose ranks do not meet at
+    the end of every step twice for jitter (rank 0's step i and rank 1's step i are not the same stretch of
+    time when the gradients are waited for in the next step). A rank's block mean is that rank's own time for
+    the block per step. Measured: equal to ``step_ms`` within 2 % in accelerator emulation, 4-9 % lower for
+    ``deft`` on the transformers in normal mode, where the wall clock (``wall_block_ms``) sided with ``step_ms``
+    (within 0.8 %): a rank's own block misses the skew between ranks at the block's ends. A record, not a
+    basis (docs/BENCHMARKS.md, session 14)."""
     out: dict[str, float] = {}
     for name, ranks in by_rank.items():
         flags = retraced.get(name) or [False] * len(ranks[0])
