@@ -393,6 +393,7 @@ class ClosedLoop:
         self._times: list[float] = []
         self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
         self._window: int | None = None  # steps of the current window once stretched (``min_window_ms``)
+        self._kinds: dict[str, bool] = {}  # plan hash -> synchronous (``_synchronous``)
         self._refined = False
         self._initial = None  # the plan measured first: the refined re-plan solves with its options
         self.gap = 0.0
@@ -419,8 +420,7 @@ class ClosedLoop:
         if self._expect is None:
             self._expect = step.plan.hash()
         if step.plan.hash() != self._expect:  # someone else (the Preserver) switched
-            self._expect, self._since_change, self._times, self._cold = step.plan.hash(), 0, [], []
-            self._window = None
+            self._new_window(step.plan.hash())
             if self.state in ("settled", "duel"):
                 self.duel = None
                 self.state = "settled"
@@ -445,6 +445,17 @@ class ClosedLoop:
             self._after_observe(step, measured)
         else:
             self._next_trial(step)
+
+    def _new_window(self, plan_hash: str | None) -> None:
+        """Start counting (warm-up, window, re-check interval) afresh for the plan ``plan_hash``."""
+        self._expect, self._since_change, self._times, self._cold, self._window = plan_hash, 0, [], [], None
+
+    def _synchronous(self, plan) -> bool:
+        """``_is_synchronous`` once per plan: asked on every settled step, over plans of up to hundreds of items."""
+        key = plan.hash()
+        if key not in self._kinds:
+            self._kinds[key] = _is_synchronous(plan)
+        return self._kinds[key]
 
     def _window_step(self, step, ms: float, cold: bool) -> float | None:
         """Add one step to the current window; the plan's agreed time once the window is complete, else None."""
@@ -471,8 +482,8 @@ class ClosedLoop:
         synchronous plan again. Why: the choice was made under the load of that moment (another job on the host,
         the other rank's data), and a plan that overlaps more loses more when the cores get busy."""
         plan = step.plan
-        if (not self.config.recheck_every or _is_synchronous(plan) or plan.hash() not in self.measured
-                or not any(_is_synchronous(p) for p, _ in self.measured.values())):
+        if (not self.config.recheck_every or self._synchronous(plan) or plan.hash() not in self.measured
+                or not any(self._synchronous(p) for p, _ in self.measured.values())):
             return
         self._since_change += 1
         if self._since_change <= self.config.recheck_every:
@@ -480,7 +491,7 @@ class ClosedLoop:
         measured = self._window_step(step, ms, cold)
         if measured is None:
             return
-        self._since_change, self._times, self._cold, self._window = 0, [], [], None
+        self._new_window(self._expect)
         chosen = self.measured[plan.hash()][1]
         if measured <= chosen * (1.0 + self.config.recheck_margin):
             log.debug("closed loop re-check: %.1f ms, %.1f ms when chosen: kept", measured, chosen)
@@ -652,7 +663,7 @@ class ClosedLoop:
         self.priority_schedule = self._measured_priority_schedule(step, plan)
         self.state = "settled"
         self.duel = None
-        self._since_change, self._times, self._cold, self._window = 0, [], [], None  # re-checks count from here
+        self._new_window(self._expect)  # re-checks count from here
         extra = {"candidates": self._candidates(step), **extra}
         if plan.hash() != step.plan.hash():
             self._switch(step, plan, f"closed loop: {why} ({ms:.1f} ms)", **extra)
@@ -736,8 +747,7 @@ class ClosedLoop:
 
     def _switch(self, step, plan, reason: str, record: bool = True, **extra: Any) -> None:
         step.switch_plan(plan.options, reason, plan=plan, record=record)
-        self._expect, self._since_change, self._times, self._cold = step.plan.hash(), 0, [], []
-        self._window = None
+        self._new_window(step.plan.hash())
         if record:
             step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales),
                                                     "contention": step.profile.contention, **extra}

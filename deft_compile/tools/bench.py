@@ -317,24 +317,24 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     if progress is not None:
         progress.close()
     dist.barrier()
-    by_rank: dict[str, list[list[float]]] = {}  # every rank's own step times (each rank's block sums are its wall time)
-    for name in names:
-        mine = torch.tensor(samples[name], dtype=torch.float64)
-        gathered = [torch.zeros_like(mine) for _ in range(world_size)]
-        dist.all_gather(gathered, mine)
-        by_rank[name] = [t.tolist() for t in gathered]
+
+    def gathered(values: list[float]) -> torch.Tensor:
+        """Every rank's ``values``, stacked: (rank, value)."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        out = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(out, mine)
+        return torch.stack(out)
+
+    by_rank: dict[str, list[list[float]]] = {}  # every rank's own step times
     block_wall: dict[str, list[float]] = {}  # per block: (last rank's end - first rank's start) in ms
     for name in names:
-        mine = torch.tensor(spans[name], dtype=torch.float64).view(-1, 2)
-        gathered = [torch.zeros_like(mine) for _ in range(world_size)]
-        dist.all_gather(gathered, mine)
-        both = torch.stack(gathered)  # rank, block, (start, end)
-        block_wall[name] = ((both[:, :, 1].max(dim=0).values - both[:, :, 0].min(dim=0).values) * 1e3).tolist()
-    for name in names:  # a step's time is the slowest rank's
-        times = torch.tensor(samples[name], dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        samples[name] = times.tolist()
-        times = torch.tensor(schedule[name], dtype=torch.float64)
+        times = gathered(samples[name])
+        by_rank[name] = times.tolist()
+        samples[name] = times.max(dim=0).values.tolist()  # a step's time is the slowest rank's
+        spans_by_rank = gathered(spans[name]).view(world_size, -1, 2)  # rank, block, (start, end)
+        block_wall[name] = ((spans_by_rank[:, :, 1].max(dim=0).values
+                             - spans_by_rank[:, :, 0].min(dim=0).values) * 1e3).tolist()
+        times = torch.tensor(schedule[name], dtype=torch.float64)  # the same steps without the Preserver's time
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         schedule[name] = times.tolist()
         flags = torch.tensor(traced[name], dtype=torch.float64)
@@ -518,7 +518,7 @@ def slower_rank_block_ms(by_rank: dict[str, list[list[float]]], retraced: dict[s
     out: dict[str, float] = {}
     for name, ranks in by_rank.items():
         flags = retraced.get(name) or [False] * len(ranks[0])
-        per_block = [[b for b in _blocks(times, flags, block)] for times in ranks]
+        per_block = [_blocks(times, flags, block) for times in ranks]
         maxima = [max(statistics.fmean(rank[i]) for rank in per_block) for i in range(len(per_block[0]))
                   if all(rank[i] for rank in per_block)]
         if maxima:
@@ -590,7 +590,8 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
             # the communication schedule, which is what the simulator predicts
             "schedule_ms": schedule_step.get(name),
             "preserver_ms": (step[name] - schedule_step[name]) if name in step and name in schedule_step else None,
-            # each rank's own block mean, the slower rank's, median over blocks: the block's wall time per step
+            # each rank's own block mean, the slower rank's, median over blocks (a record: it misses the skew
+            # between ranks at a block's ends, see ``slower_rank_block_ms``)
             "slower_rank_ms": slower_rank.get(name),
             # the block's wall-clock time per step, first rank's start to last rank's end, median over blocks
             "wall_block_ms": wall.get(name),
