@@ -9,8 +9,8 @@ import pytest
 
 from deft_compile.planner.zoo_profiles import build_profile
 from deft_compile.planner.solvers import solve
-from deft_compile.step.closed_loop import (ClosedLoopConfig, contention_parts, refine_scales, scaled_profile,
-                                         window_steps)
+from deft_compile.step.closed_loop import (ClosedLoopConfig, Duel, contention_parts, refine_scales, rounds_disagree,
+                                         scaled_profile, window_steps)
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
 from workers import check_entry, closed_loop_recheck_run, closed_loop_run, control_group_run
@@ -371,3 +371,69 @@ def test_a_settled_plan_with_delays_that_keeps_its_speed_is_rechecked_and_kept()
         assert any("plan with delays won the duel" in r for r in reasons), reasons
         assert not any("re-check" in r for r in reasons), reasons
         assert report["final_delayed"] > 0 and report["state"] == "settled"
+
+
+def test_a_duel_runs_on_only_when_its_rounds_disagree():
+    """The rule (pure): rounds on both sides of the threshold extend the duel; unanimous rounds decide it. The
+    extension keeps the order alternating, so a load trend still falls on both plans alike."""
+    assert rounds_disagree([0.85, 1.02, 0.9, 0.95], 0.99) and rounds_disagree([1.1, 0.98], 0.99)
+    assert not rounds_disagree([0.85, 0.9, 0.95, 0.98], 0.99) and not rounds_disagree([0.99, 1.2], 0.99)
+    duel = Duel.between("challenger", "incumbent", 2, "settle")
+    duel.extend_to(5)
+    assert duel.order == [0, 1, 1, 0, 0, 1, 1, 0, 0, 1]
+    duel.extend_to(3)  # never shrinks
+    assert len(duel.order) == 10
+
+
+def test_a_duel_whose_rounds_disagree_runs_on_to_duel_max_rounds():
+    """Times (injected): the plan with delays runs 400 ms faster in a duel's even rounds and 400 ms slower in its odd
+    ones. Two rounds disagree, so the duel runs on to six (on both ranks alike) and the median of all six decides:
+    a tie, which the synchronous plan keeps (the plan with delays must win by ``min_gain``)."""
+    args = (0.0, 60, 0.0, 2, 500.0, 1000.0, 0.0, 6, 400.0)
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
+    for report in results:
+        duel = [h["closed_loop"]["duel"] for h in report["history"] if "duel" in h.get("closed_loop", {})][-1]
+        assert duel["why"] == "settle" and len(duel["ratios"]) == 6, duel
+        assert rounds_disagree(duel["ratios"][:2], 0.99)
+        assert report["state"] == "settled" and report["final_delayed"] == 0, report["history"]
+    assert results[0]["history"] == results[1]["history"] or results[0]["plan_hash"] == results[1]["plan_hash"]
+
+
+@pytest.mark.parametrize("priority_ms, winner", [(30.0, "ddp-buckets"), (-100.0, "priority")])
+def test_a_priority_plan_close_to_ddps_buckets_must_win_a_duel_against_them(priority_ms, winner):
+    """The shape of the suite's transformer launches (session 15): DDP's buckets are measured first and the host
+    gets faster (here 20 ms per step), so the priority plans measured later lead by 4-17 %, less than
+    ``duel_margin``. Interleaved, the trend cancels: a priority plan truly 30 ms slower loses to DDP's buckets
+    (chosen from the sequential numbers, it ran), one truly 100 ms faster wins. Plans with delays are 1 s slower."""
+    args = (1000.0, 50, -20.0, 2, priority_ms, 2000.0)
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
+    for report in results:
+        duels = [h["closed_loop"]["duel"] for h in report["history"] if "duel" in h.get("closed_loop", {})]
+        assert [d["why"] for d in duels] == ["synchronous"], report["history"]
+        assert report["state"] == "settled" and report["final_delayed"] == 0, report["history"]
+        if winner == "priority":
+            assert duels[0]["median_ratio"] < 0.99 and report["final_policy"] in ("bytescheduler", "usbyte")
+            assert report["plan_hash"] == duels[0]["priority_plan"]
+        else:
+            assert duels[0]["median_ratio"] >= 0.99 and report["final_policy"] == "deft", report["history"]
+            assert report["plan_hash"] == duels[0]["synchronous_plan"]
+        assert "fastest measured plan" in report["history"][-1]["reason"]
+    assert results[0]["plan_hash"] == results[1]["plan_hash"]
+
+
+def test_a_replan_during_the_duel_of_synchronous_plans_waits_for_its_verdict():
+    """A re-plan with delays (as the Preserver's trade) arrives in the middle of the duel between a priority plan and
+    DDP's buckets. The duel goes on to its verdict, the loop settles on the winner, then runs the re-plan, which was
+    measured 1 s faster than the synchronous plans before, and so is kept."""
+    args = (-1000.0, 60, -20.0, 2, 30.0, 2000.0, 0.0, 0, 0.0, True)
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
+    for report in results:
+        assert report["replanned_at"] is not None, report["history"]
+        reasons = [h["reason"] for h in report["history"]]
+        verdict = [i for i, h in enumerate(report["history"]) if h.get("closed_loop", {}).get("duel", {}).get("why")
+                   == "synchronous"]
+        assert verdict and "won the duel of synchronous plans" in reasons[verdict[0]], reasons
+        assert report["history"][verdict[0]]["step"] > report["replanned_at"], reasons
+        assert report["state"] == "settled" and report["final_delayed"] > 0, reasons
+        assert report["plan_hash"] == report["initial_plan_hash"], reasons
+    assert results[0]["plan_hash"] == results[1]["plan_hash"]

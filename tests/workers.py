@@ -795,38 +795,53 @@ def _mlp_with_delaying_profile(rank: int, world_size: int, steps: int):
 
 def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, drift_ms_per_step: float = 0.0,
                     duel_rounds: int = 2, priority_ms: float = 0.0, base_ms: float = 0.0,
-                    min_window_ms: float = 0.0) -> dict:
+                    min_window_ms: float = 0.0, duel_max_rounds: int = 0, flip_rounds_ms: float = 0.0,
+                    replan_in_synchronous_duel: bool = False) -> dict:
     """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
     of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
     ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier);
     ``priority_ms`` is added to the priority plans (ByteScheduler's, US-Byte's), ``base_ms`` to every plan (so
     negative offsets still give positive times, whose ratios the duel compares). The Preserver is off: the
     injected times are no model's, and its trades on a profile refined to them would be re-plans of their own.
-    ``min_window_ms`` is the loop's (0: windows of exactly ``measure_steps``, as the injected times assume)."""
+    ``min_window_ms`` is the loop's (0: windows of exactly ``measure_steps``, as the injected times assume).
+    ``duel_max_rounds`` is the loop's (0: a duel never runs past ``duel_rounds``). ``flip_rounds_ms`` is subtracted
+    from a plan with delays in a duel's even rounds and added in its odd ones (rounds that disagree).
+    ``replan_in_synchronous_duel``: in the second block of a duel between synchronous plans, re-plan to the initial
+    plan's options (as the Preserver's trade does through ``switch_plan``)."""
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
+    from deft_compile.step.closed_loop import PRIORITY_POLICIES, SYNCHRONOUS_DUEL, ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=min_window_ms, max_window_steps=40,
                                                      warmup_steps=2, measure_steps=3, duel_rounds=duel_rounds,
-                                                     duel_steps=1))
+                                                     duel_steps=1, duel_max_rounds=duel_max_rounds))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
+    loop = step.closed_loop
 
     def inject(plan) -> float:
         stale = any(item.delay or item.period > 1 for item in plan.items)
         priority = priority_ms if plan.policy in PRIORITY_POLICIES else 0.0
-        return base_ms + (slower_ms if stale else 0.0) + priority + drift_ms_per_step * step.step_count
+        flip = 0.0
+        if stale and loop.state == "duel":
+            flip = flip_rounds_ms if (loop.duel.block // 2) % 2 else -flip_rounds_ms
+        return base_ms + (slower_ms if stale else 0.0) + priority + flip + drift_ms_per_step * step.step_count
 
-    step.closed_loop.inject = inject
-    initial_delayed = None
+    loop.inject = inject
+    initial_delayed, initial_options, replanned_at = None, None, None
     for t in range(steps):
         step(*batches[t])
-        if initial_delayed is None:
+        if initial_delayed is None:  # the closed loop observes the initial plan first
             initial_delayed = sum(1 for item in step.plan.items if item.delay)
+            initial_options = dict(step.plan.options)
+        if (replan_in_synchronous_duel and replanned_at is None and loop.state == "duel"
+                and loop.duel.why == SYNCHRONOUS_DUEL and loop.duel.block == 1):
+            step.switch_plan(initial_options, "test: a re-plan with delays during the duel of synchronous plans")
+            replanned_at = step.step_count
     step.flush()
     return {"initial_delayed": initial_delayed, "final_delayed": sum(1 for item in step.plan.items if item.delay),
             "state": step.closed_loop.state, "plan_hash": step.plan.hash(), "final_policy": step.plan.policy,
+            "initial_plan_hash": step.plan_history[0]["plan_hash"], "replanned_at": replanned_at,
             "history": [{k: v for k, v in h.items()} for h in step.plan_history]}
 
 
