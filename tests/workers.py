@@ -856,7 +856,7 @@ def closed_loop_recheck_run(rank: int, world_size: int, steps: int, flip_at: int
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2,
                                                      duel_rounds=2, duel_steps=1, priority_candidate=False,
-                                                     recheck_every=6))
+                                                     recheck_every=6, duel_max_rounds=0))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
 
     def inject(plan) -> float:
@@ -888,7 +888,7 @@ def closed_loop_priority_run(rank: int, world_size: int, steps: int, replan_at: 
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     config = DeftConfig(plan_options={"max_staleness": 0}, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2, duel_rounds=2,
-                                                     duel_steps=1))
+                                                     duel_steps=1, duel_max_rounds=0))
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile, config=config)
     step.closed_loop.inject = lambda plan: -1000.0 if plan.policy in PRIORITY_POLICIES else 0.0
     report, replanned = [], None
@@ -919,7 +919,7 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
 
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=2, measure_steps=3, duel_rounds=2,
-                                                     duel_steps=1))
+                                                     duel_steps=1, duel_max_rounds=0))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     kept: list[str] = []
 
@@ -1008,13 +1008,16 @@ def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps
     profile = profile if profile_given else None
     # An unreachable tolerance: the profile is never refined from this tiny model's noisy times, so the trades
     # depend on the measured gradients alone (refined between two measurements, it made a second, different
-    # trade in 2 of 4 runs of the code before session 10)
+    # trade in 2 of 4 runs of the code before session 10). No priority candidates and no longer duels: whether a
+    # duel of synchronous plans runs, or a duel runs on, would follow this tiny model's noise, and with it the
+    # steps at which the duel's blocks fall
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
                                           preserver=PreserverConfig(start_synchronous=start_synchronous),
                                           closed_loop=ClosedLoopConfig(enabled=closed_loop, min_window_ms=0.0, warmup_steps=2,
                                                                        measure_steps=3, duel_rounds=4, duel_steps=3,
-                                                                       tolerance=1e9)))
+                                                                       tolerance=1e9, duel_max_rounds=0,
+                                                                       priority_candidate=False)))
     step(*batches[0])
     resolved = step.preserver.start_synchronous
     for t in range(1, steps):
@@ -1082,7 +1085,7 @@ def control_group_run(rank: int, world_size: int, steps: int) -> dict:
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(check_every=2),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2, duel_rounds=1,
-                                                     duel_steps=1))
+                                                     duel_steps=1, duel_max_rounds=0))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     used: list[str] = []
     plain = dist.all_reduce
@@ -1176,7 +1179,7 @@ def closed_loop_hybrid_run(rank: int, world_size: int, steps: int, priority_sche
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         plan_options={"max_staleness": 0},
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2, duel_rounds=2,
-                                                     duel_steps=1, priority_schedule=priority_schedule))
+                                                     duel_steps=1, priority_schedule=priority_schedule, duel_max_rounds=0))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     step.closed_loop.inject = lambda plan: 1000.0 if plan.policy in PRIORITY_POLICIES else 2000.0
     initial_options, replan, settled_policy = None, None, None

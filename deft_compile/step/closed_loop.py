@@ -384,6 +384,7 @@ class Duel:
     cold: list[bool] = field(default_factory=list)  # per measured step: it ran a graph cold (left out)
     medians: list[float] = field(default_factory=list)  # agreed block medians, in block order
     block_steps: int = 1  # measured steps per block (``duel_steps``, or more for short steps: ``min_window_ms``)
+    sequential: dict = field(default_factory=dict)  # plan hash[:12] -> ms measured one after the other, before it
 
     @classmethod
     def between(cls, stale, synchronous, rounds: int, why: str, block_steps: int = 1) -> "Duel":
@@ -784,6 +785,8 @@ class ClosedLoop:
         block = window_steps(min(known, default=0.0), self.config.duel_steps, 1, self.config.min_window_ms,
                              self.config.max_window_steps)
         self.duel = Duel.between(challenger, incumbent, self.config.duel_rounds, why, block_steps=block)
+        # the times it was called on, plan hash -> agreed ms (the duel's own times replace them in ``measured``)
+        self.duel.sequential = {h[:12]: round(ms, 3) for h, (_plan, ms) in self.measured.items()}
         self.state = "duel"
         log.info("closed loop: duel (%s) of %s against %s, %d interleaved rounds", why, challenger.hash()[:12],
                  incumbent.hash()[:12], self.config.duel_rounds)
@@ -822,7 +825,8 @@ class ClosedLoop:
         names = ("priority_plan", "synchronous_plan") if duel.why == SYNCHRONOUS_DUEL else ("stale_plan",
                                                                                           "synchronous_plan")
         record = {"duel": {"why": duel.why, "ratios": [round(r, 4) for r in ratios], "median_ratio": round(ratio, 4),
-                           names[0]: challenger.hash(), names[1]: incumbent.hash(), "block_steps": duel.block_steps}}
+                           names[0]: challenger.hash(), names[1]: incumbent.hash(), "block_steps": duel.block_steps,
+                           "sequential": duel.sequential}}
         if duel.why == SYNCHRONOUS_DUEL:
             self._after_synchronous_duel(step, challenger if won else incumbent, won, verdict, record)
         elif won:
