@@ -850,6 +850,10 @@ class ClosedLoop:
             self._decide(step)
             return
         self._settle(step, winner, self.measured[winner.hash()][1], why, **record)
+        if not self._synchronous(pending):
+            # no plan with delays has lost a duel yet (``_settle`` assumed so if one was measured in the trials):
+            # the re-plan's own duel decides whether later re-plans stay synchronous
+            self.synchronous_only = False
         if pending.hash() != step.plan.hash():
             self._switch(step, pending, "closed loop: the re-plan made during the duel of synchronous plans",
                          record=False)
