@@ -708,7 +708,7 @@ class ClosedLoop:
 
     def _measured_priority_schedule(self, step, settled) -> str | None:
         """The priority schedule of the synchronous plan settled on, or, settling on a plan with delays, the one
-        it carries or else that of the fastest measured synchronous plan (None for DDP's buckets).
+        it carries or else that of the synchronous plan chosen (``_fastest_synchronous``) (None for DDP's buckets).
 
         Why: that measurement says the next forward hides more of the synchronous communication than the end of
         backward does; a plan with delays (the Preserver's trade) leaves parameters synchronous, and carrying them
