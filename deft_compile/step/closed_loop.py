@@ -387,9 +387,10 @@ class Duel:
     sequential: dict = field(default_factory=dict)  # plan hash[:12] -> ms measured one after the other, before it
 
     @classmethod
-    def between(cls, stale, synchronous, rounds: int, why: str, block_steps: int = 1) -> "Duel":
-        order = [i for r in range(rounds) for i in ((0, 1) if r % 2 == 0 else (1, 0))]
-        return cls((stale, synchronous), why, order, block_steps=block_steps)
+    def between(cls, challenger, incumbent, rounds: int, why: str, block_steps: int = 1) -> "Duel":
+        duel = cls((challenger, incumbent), why, [], block_steps=block_steps)
+        duel.extend_to(rounds)
+        return duel
 
     @property
     def current(self):
@@ -567,7 +568,7 @@ class ClosedLoop:
                    window_steps=self.windows.get(plan.hash()))
         self._initial = plan
         self._queue = []
-        if not _is_synchronous(plan):
+        if not self._synchronous(plan):
             self._queue.append((self._synchronous_plan(step), "synchronous candidate"))
         if self.config.priority_candidate and step.policy == "deft" and step.loss_scaler is None:
             self._queue += [(plan, f"synchronous priority candidate ({plan.policy})") for plan in self._priority_plans(step)]
@@ -662,7 +663,7 @@ class ClosedLoop:
         if self._sync_pick is None and self._choose_synchronous(step):
             return
         entries = list(self.measured.values())
-        stale = [(p, ms) for p, ms in entries if not _is_synchronous(p)]
+        stale = [(p, ms) for p, ms in entries if not self._synchronous(p)]
         if len(stale) in (0, len(entries)):  # only one kind measured: nothing to duel
             best_plan, best_ms = self._fastest_synchronous() if not stale else min(entries, key=lambda e: e[1])
             self._settle(step, best_plan, best_ms, "fastest measured plan")
@@ -684,7 +685,7 @@ class ClosedLoop:
         docs/BENCHMARKS.md, session 9)."""
         if self._sync_pick in self.measured:
             return self.measured[self._sync_pick]
-        return min(((p, ms) for p, ms in self.measured.values() if _is_synchronous(p)), key=lambda e: e[1])
+        return min(((p, ms) for p, ms in self.measured.values() if self._synchronous(p)), key=lambda e: e[1])
 
     def _choose_synchronous(self, step) -> bool:
         """Choose between DDP's buckets and the fastest priority plan, both measured one after the other; True if
@@ -721,9 +722,9 @@ class ClosedLoop:
         def schedule_of(plan) -> str | None:
             return plan.policy if plan.policy in PRIORITY_POLICIES else plan.options.get("synchronous_schedule")
 
-        if _is_synchronous(settled) or schedule_of(settled) is not None:
+        if self._synchronous(settled) or schedule_of(settled) is not None:
             return schedule_of(settled)
-        if not any(_is_synchronous(p) for p, _ in self.measured.values()):
+        if not any(self._synchronous(p) for p, _ in self.measured.values()):
             return None
         return schedule_of(self._fastest_synchronous()[0])
 
@@ -732,12 +733,13 @@ class ClosedLoop:
 
         return {
             h[:12]: {"measured_ms": round(ms, 3), "predicted_ms": round(predicted_ms(step.profile, p), 3),
-                     "synchronous": _is_synchronous(p)}
+                     "synchronous": self._synchronous(p)}
             for h, (p, ms) in self.measured.items()
         }
 
     def _settle(self, step, plan, ms: float, why: str, **extra: Any) -> None:
-        self.synchronous_only = _is_synchronous(plan) and any(not _is_synchronous(p) for p, _ in self.measured.values())
+        self.synchronous_only = self._synchronous(plan) and any(not self._synchronous(p)
+                                                                for p, _ in self.measured.values())
         self.priority_schedule = self._measured_priority_schedule(step, plan)
         self.state = "settled"
         self.duel = None
@@ -752,10 +754,10 @@ class ClosedLoop:
     def _after_replan(self, step) -> None:
         """Someone else switched after settling: measured before means decided at once, else a duel."""
         plan = step.plan
-        if not any(_is_synchronous(p) for p, _ in self.measured.values()):
+        if not any(self._synchronous(p) for p, _ in self.measured.values()):
             return
         sync_plan, sync_ms = self._fastest_synchronous()
-        if _is_synchronous(plan):
+        if self._synchronous(plan):
             # Every synchronous plan gives DDP's numbers: run the fastest one measured (a priority plan, say,
             # when the Preserver steps back to synchronous and the solver answers with DDP's buckets).
             known = self.measured.get(plan.hash())
@@ -822,11 +824,10 @@ class ClosedLoop:
         self.measured[incumbent.hash()] = (incumbent, duel.plan_ms(1))
         won = ratio < 1.0 - self.config.min_gain
         verdict = f"median ratio {ratio:.3f} over {len(ratios)} interleaved rounds"
-        names = ("priority_plan", "synchronous_plan") if duel.why == SYNCHRONOUS_DUEL else ("stale_plan",
-                                                                                          "synchronous_plan")
+        challenger_key = "priority_plan" if duel.why == SYNCHRONOUS_DUEL else "stale_plan"
         record = {"duel": {"why": duel.why, "ratios": [round(r, 4) for r in ratios], "median_ratio": round(ratio, 4),
-                           names[0]: challenger.hash(), names[1]: incumbent.hash(), "block_steps": duel.block_steps,
-                           "sequential": duel.sequential}}
+                           challenger_key: challenger.hash(), "synchronous_plan": incumbent.hash(),
+                           "block_steps": duel.block_steps, "sequential": duel.sequential}}
         if duel.why == SYNCHRONOUS_DUEL:
             self._after_synchronous_duel(step, challenger if won else incumbent, won, verdict, record)
         elif won:
