@@ -23,7 +23,9 @@ overlap the model does not capture), the plan may be wrong. The loop:
    make the simulator best reproduce the measured times of the plans measured
    so far (a log-grid least squares on relative errors; the contention in
    closed form, from three plans on). The link factor is never below
-   ``MIN_LINK_FACTOR``. Refining is decided once every candidate is measured,
+   ``MIN_LINK_FACTOR``, and the compute factor never below what the step's own
+   thread was measured busy (``compute_floor``: its CPU time per step, which
+   leaves out the time it waits for communication). Refining is decided once every candidate is measured,
    from the worst gap among them (the priority plans are the ones the
    simulator misses most).
    A ByteScheduler or US-Byte step (on by default for them too) has one candidate:
@@ -236,6 +238,29 @@ def contention_parts(profile, plan) -> tuple[float, float]:
 #: 0.6x the floor's step, on which the Preserver saw nothing to gain (docs/BENCHMARKS.md, session 12).
 MIN_LINK_FACTOR = 1.0
 
+#: how far below the compute thread's measured CPU time the refinement may put the step's compute
+#: (``compute_floor``): that time includes the step's own Python and bookkeeping, and under contention some
+#: cache and memory-bandwidth loss, neither of which the profile's compute has
+COMPUTE_FLOOR_SLACK = 0.1
+
+
+def compute_floor(cpu_ms: list[tuple[Any, float]], compute_ms: Callable[[Any], float],
+                  slack: float = COMPUTE_FLOOR_SLACK) -> float:
+    """The least compute factor the measurements allow: ``(1 - slack)`` times the median, over the measured plans,
+    of the step thread's CPU ms per step (``cpu_ms``: (plan, ms) pairs) over the profile's compute for that plan
+    (``compute_ms(plan)``: the simulator's compute-stream time per step). 0 (no bound) without measurements.
+
+    Why: a step's time alone cannot tell slow compute and a fast link from fast compute and a slow link when its
+    plans differ in how much they overlap. On the suite in normal mode the fit then took compute 0.14-0.23x on
+    ResNet-50 and 0.19x on GPT-2 (docs/BENCHMARKS.md, session 15): a profile of almost no compute, on which the
+    Preserver saw nothing to hide. The compute thread's CPU time is a direct measure: it runs the step's kernels
+    (one intra-op thread, as on the suite's workers; with more, it sees only its own share, and the bound is only
+    looser) and sleeps while it waits for a collective, so the time it waited, and the time another thread took
+    its core, are not in it."""
+    ratios = [ms / compute_ms(plan) for plan, ms in cpu_ms if ms > 0 and compute_ms(plan) > 0]
+    return (1.0 - slack) * statistics.median(ratios) if ratios else 0.0
+
+
 #: how strongly the refinement prefers factors near 1 (the profile as measured), in squared relative error per
 #: squared log factor: doubling a factor costs as much as a 2 % rms miss. Why: the plans a step measures are
 #: often close in time (three synchronous plans within a few percent), and then very different factor pairs fit
@@ -248,7 +273,8 @@ PRIOR_WEIGHT = (0.02 / math.log(2.0)) ** 2
 
 def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulateParts,
                   contention: float | None = None, fit_link: bool = True,
-                  min_link: float = MIN_LINK_FACTOR, prior_weight: float = PRIOR_WEIGHT) -> Refinement:
+                  min_link: float = MIN_LINK_FACTOR, prior_weight: float = PRIOR_WEIGHT,
+                  min_compute: float = 0.0) -> Refinement:
     """Compute and link factors (a, b), and the contention, minimising the squared relative error of the
     simulated times.
 
@@ -256,7 +282,8 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
     scaled by ``a`` and link costs by ``b``, split as ``contention_parts`` splits it. ``contention``: a fixed
     value, or None to fit it in [0, 1] (for each (a, b) exactly: the time is linear in it). ``fit_link=False``
     keeps the link as measured (one plan cannot separate compute from link); ``min_link`` is the least link factor
-    tried (``MIN_LINK_FACTOR``). The fit minimises the mean squared relative error plus ``prior_weight`` times
+    tried (``MIN_LINK_FACTOR``); ``min_compute`` the least compute factor (``compute_floor``: what the compute
+    thread was measured busy). The fit minimises the mean squared relative error plus ``prior_weight`` times
     (ln a)² + (ln b)² (``PRIOR_WEIGHT``: near-equal fits resolve toward the profile as measured; 0 for a pure
     least-squares fit); ``Refinement.error`` is the rms relative error alone. A coarse log grid (0.125x..8x),
     then two finer ones around the best.
@@ -280,7 +307,7 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
         best = (math.inf, math.inf, center_a, center_b, 0.0)
         for i in range(points):
             for j in range(points if fit_link else 1):
-                a = center_a * span ** (2 * i / (points - 1) - 1)
+                a = max(min_compute, center_a * span ** (2 * i / (points - 1) - 1))
                 b = max(min_link, center_b * span ** (2 * j / (points - 1) - 1)) if fit_link else center_b
                 e, gamma = fit(a, b)
                 score = objective(a, b, e)
@@ -288,7 +315,7 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
                     best = (score, e, a, b, gamma)
         return best
 
-    _, e, a, b, gamma = grid(1.0, 1.0, 8.0, 13)  # 0.125x .. 8x, factor sqrt(2) apart
+    _, e, a, b, gamma = grid(max(1.0, min_compute), 1.0, 8.0, 13)  # 0.125x .. 8x, factor sqrt(2) apart
     _, e, a, b, gamma = grid(a, b, math.sqrt(2.0), 9)
     _, e, a, b, gamma = grid(a, b, 2 ** 0.125, 9)  # ~1.1% apart
     return Refinement(a, b, gamma, e)
@@ -425,6 +452,9 @@ class ClosedLoop:
         self.state = "observe"
         self.inject: Callable[[Any], float] | None = None  # extra ms added to a plan's measured steps
         self.measured: dict[str, tuple[Any, float]] = {}  # plan hash -> (plan, agreed measured ms)
+        # plan hash -> agreed CPU ms per step of the step's thread, from its sequential window (``compute_floor``)
+        self.compute_cpu: dict[str, float] = {}
+        self.min_compute = 0.0  # the refinement's least compute factor (``compute_floor``), once refined
         self.windows: dict[str, int] = {}  # plan hash -> steps its (latest sequential) measurement spanned
         self.synchronous_only = False
         self.scales: tuple[float, float] = (1.0, 1.0)
@@ -434,6 +464,8 @@ class ClosedLoop:
         self._since_change = 0
         self._times: list[float] = []
         self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
+        self._cpu: list[float] = []  # per entry of _times: the step thread's CPU ms (none when not given)
+        self._window_cpu: float | None = None  # the last complete window's agreed CPU ms per step
         self._window: int | None = None  # steps of the current window once stretched (``min_window_ms``)
         self._kinds: dict[str, bool] = {}  # plan hash -> synchronous (``_synchronous``)
         self._refined = False
@@ -456,9 +488,10 @@ class ClosedLoop:
             options = {**options, "synchronous_schedule": self.priority_schedule}
         return options
 
-    def after_step(self, step, seconds: float, measurable: bool = True) -> None:
+    def after_step(self, step, seconds: float, measurable: bool = True, cpu_seconds: float | None = None) -> None:
         """One step of ``step.plan`` took ``seconds``; ``measurable=False`` if it ran a graph cold (its time is
-        the compiler's, not the plan's: counted in the window, left out of the plan's time)."""
+        the compiler's, not the plan's: counted in the window, left out of the plan's time). ``cpu_seconds``: the
+        step thread's CPU time in it (``time.thread_time``), which bounds the refined compute (``compute_floor``)."""
         if step.plan is None or step.process_group is None:
             return
         if self._expect is None:
@@ -486,11 +519,14 @@ class ClosedLoop:
         self._since_change += 1
         if self._since_change <= self.config.warmup_steps:
             return
-        measured = self._window_step(step, seconds * 1e3 + extra, not measurable)
+        measured = self._window_step(step, seconds * 1e3 + extra, not measurable,
+                                     None if cpu_seconds is None else cpu_seconds * 1e3)
         if measured is None:
             return
         self.windows[step.plan.hash()] = len(self._times)
         self.measured[step.plan.hash()] = (step.plan, measured)
+        if self._window_cpu is not None:
+            self.compute_cpu[step.plan.hash()] = self._window_cpu
         if self.state == "observe":
             self._after_observe(step, measured)
         else:
@@ -499,6 +535,7 @@ class ClosedLoop:
     def _new_window(self, plan_hash: str | None) -> None:
         """Start counting (warm-up, window, re-check interval) afresh for the plan ``plan_hash``."""
         self._expect, self._since_change, self._times, self._cold, self._window = plan_hash, 0, [], [], None
+        self._cpu, self._window_cpu = [], None
 
     def _synchronous(self, plan) -> bool:
         """``_is_synchronous`` once per plan: asked on every settled step, over plans of up to hundreds of items."""
@@ -507,14 +544,22 @@ class ClosedLoop:
             self._kinds[key] = _is_synchronous(plan)
         return self._kinds[key]
 
-    def _window_step(self, step, ms: float, cold: bool) -> float | None:
-        """Add one step to the current window; the plan's agreed time once the window is complete, else None."""
+    def _window_step(self, step, ms: float, cold: bool, cpu_ms: float | None = None) -> float | None:
+        """Add one step to the current window; the plan's agreed time once the window is complete, else None.
+        With the step thread's CPU ms given for every step of the window, their agreed value (the same statistic,
+        one all-reduce with the time) is left in ``_window_cpu``."""
         self._times.append(ms)
         self._cold.append(cold)
+        if cpu_ms is not None:
+            self._cpu.append(cpu_ms)
         planned = self._window or measure_window(step.plan, self.config.measure_steps)
         if len(self._times) < planned:
             return None
-        measured = self._agree(step, plan_step_ms(self._times, max_period(step.plan), self._cold))
+        period = max_period(step.plan)
+        with_cpu = len(self._cpu) == len(self._times)
+        agreed = self._agree(step, plan_step_ms(self._times, period, self._cold),
+                             *([plan_step_ms(self._cpu, period, self._cold)] if with_cpu else []))
+        measured, self._window_cpu = agreed[0], (agreed[1] if with_cpu else None)
         # the agreed time says whether the window spans enough time (the same on every rank); asked again at the
         # stretched length, since the first steps after a switch run slower and stretch it too little
         stretched = window_steps(measured, planned, max_period(step.plan), self.config.min_window_ms,
@@ -551,14 +596,15 @@ class ClosedLoop:
         self._start_duel(step, plan, self._fastest_synchronous()[0], "re-check")
 
     # -- decisions ----------------------------------------------------------------------
-    def _agree(self, step, value: float) -> float:
+    def _agree(self, step, *values: float) -> list[float]:
+        """Every rank's maximum of each value (one all-reduce): the slower rank sets the step."""
         import torch
         import torch.distributed as dist
 
-        tensor = torch.tensor([value], dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64)
         # on the control group: on the data-parallel group this would wait for the gradients still in flight
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=step.control_group)
-        return float(tensor.item())
+        return tensor.tolist()
 
     def _after_observe(self, step, measured: float) -> None:
         plan = step.plan
@@ -623,11 +669,18 @@ class ClosedLoop:
         def simulate_parts(plan, a: float, b: float) -> tuple[float, float]:
             return contention_parts(scaled_profile(base, a, b), plan)
 
+        def compute_ms(plan) -> float:
+            from deft_compile.planner.simulator import simulate
+
+            return simulate(base, plan, record=False, check=False).compute_ms
+
+        self.min_compute = compute_floor([(self.measured[h][0], cpu) for h, cpu in self.compute_cpu.items()
+                                          if h in self.measured], compute_ms)
         # One measurement cannot separate compute from link: assume the link is as measured and fit compute only.
         # Three plans on (differing in what they overlap) pin the contention down; fewer keep the profile's.
         fit_gamma = self.config.fit_contention and len(measured) >= 3
         fitted = refine_scales(measured, simulate_parts, contention=None if fit_gamma else base.contention,
-                               fit_link=len(measured) >= 2)
+                               fit_link=len(measured) >= 2, min_compute=self.min_compute)
         a, b, error = fitted.compute, fitted.link, fitted.error
         self.scales = (a, b)
         step.profile = scaled_profile(base, a, b, fitted.contention)
@@ -637,8 +690,9 @@ class ClosedLoop:
         initial = self._initial or step.plan
         options = step.solver_options() if step.policy in PRIORITY_POLICIES else dict(initial.options)
         refined = solve_stable(step.profile, step.policy, incumbent=initial, **options)
-        log.info("closed loop: refined profile (compute x%.2f, link x%.2f, contention %.2f%s, fit error %.1f%%)",
-                 a, b, fitted.contention, "" if fit_gamma else " kept", 100 * error)
+        log.info("closed loop: refined profile (compute x%.2f, at least x%.2f by the step thread's CPU time; link "
+                 "x%.2f, contention %.2f%s, fit error %.1f%%)", a, self.min_compute, b, fitted.contention,
+                 "" if fit_gamma else " kept", 100 * error)
         if refined.hash() in (initial.hash(), step.plan.hash()):
             return None
         return refined
@@ -733,7 +787,8 @@ class ClosedLoop:
 
         return {
             h[:12]: {"measured_ms": round(ms, 3), "predicted_ms": round(predicted_ms(step.profile, p), 3),
-                     "synchronous": self._synchronous(p)}
+                     "synchronous": self._synchronous(p),
+                     **({"compute_cpu_ms": round(self.compute_cpu[h], 3)} if h in self.compute_cpu else {})}
             for h, (p, ms) in self.measured.items()
         }
 
@@ -805,7 +860,7 @@ class ClosedLoop:
         period = max_period(step.plan)
         if len(duel.times) < period * math.ceil(duel.block_steps / period):
             return
-        duel.medians.append(self._agree(step, plan_step_ms(duel.times, period, duel.cold)))
+        duel.medians.append(self._agree(step, plan_step_ms(duel.times, period, duel.cold))[0])
         duel.block, duel.steps, duel.times, duel.cold = duel.block + 1, 0, [], []
         if duel.block == len(duel.order):
             ratios = duel.ratios()  # agreed medians: every rank extends alike
@@ -865,6 +920,7 @@ class ClosedLoop:
         self._new_window(step.plan.hash())
         if record:
             step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales),
+                                                    "min_compute": self.min_compute,
                                                     "contention": step.profile.contention, **extra}
             log.info("%s; measured so far: %s", reason, {h[:12]: round(ms, 3) for h, (_p, ms) in self.measured.items()})
 
@@ -876,7 +932,7 @@ class ClosedLoop:
             "delayed_items": sum(1 for item in plan.items if item.delay),
             "max_period": max((item.period for item in plan.items), default=1),
             "closed_loop": {"measured_ms": measured, "predicted_ms": predicted, "scales": list(self.scales),
-                            "contention": step.profile.contention, **extra},
+                            "min_compute": self.min_compute, "contention": step.profile.contention, **extra},
         }
         step.plan_history.append(entry)
         log.info("step %d: %s: measured %.2f ms, predicted %.2f ms", step.step_count, reason, measured, predicted)

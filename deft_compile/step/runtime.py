@@ -219,7 +219,7 @@ class CompiledStep:
         if self._monitor is not None:
             self._monitor.before_step()
         cold_runs = self.lowering.cold_runs
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         outputs = self._timed_run(compiled, user_tensors)
         self.policy_runtime.after_step(self)
         for item in self._items:
@@ -230,12 +230,12 @@ class CompiledStep:
         self.step_count += 1
         # the plan's own time: without the Preserver's measurements (they cost the same whichever plan runs and
         # are priced by the Preserver itself), and not a step that ran a graph cold (compiling, or its first run)
-        seconds = time.perf_counter() - started
+        seconds, cpu_seconds = time.perf_counter() - started, time.thread_time() - cpu_started
         measurable = self.lowering.cold_runs == cold_runs
         if self._monitor is not None:
             self._monitor.after_step(outputs, args, kwargs, seconds if measurable else None)
         if self.closed_loop is not None:  # measured plans, refined profile (deft_compile.step.closed_loop)
-            self.closed_loop.after_step(self, seconds, measurable=measurable)
+            self.closed_loop.after_step(self, seconds, measurable=measurable, cpu_seconds=cpu_seconds)
         return outputs
 
     def _use_step_group(self, group: CommGroup | None) -> None:
