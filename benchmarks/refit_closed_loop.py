@@ -4,7 +4,8 @@ The bench JSON keeps, per launch, ``deft``'s refined profile and the closed loop
 fitted and every measured plan's time). This script undoes the recorded factors to get the profile as measured,
 re-solves the synchronous plans the loop timed (DDP's buckets, ByteScheduler's, US-Byte's; matched by plan hash),
 and fits them again with ``refine_scales`` under four settings: γ held at the profile's or fitted, each with no
-prior (``prior_weight=0``) and with ``PRIOR_WEIGHT``. What docs/BENCHMARKS.md, session 13, quotes.
+prior (``prior_weight=0``) and with ``PRIOR_WEIGHT``; and, where the launch recorded the compute floor it fitted
+under (``min_compute``, from session 16 on), both γ settings with it. What docs/BENCHMARKS.md, session 13, quotes.
 
     python benchmarks/refit_closed_loop.py benchmarks/results/suite-inductor-transformers-s13.json
 """
@@ -64,7 +65,12 @@ def main(argv: list[str] | None = None) -> None:
             def parts(plan, a: float, b: float, base=base):
                 return contention_parts(scaled_profile(base, a, b), plan)
 
-            for label, options in settings:
+            floor = next((entry["closed_loop"].get("min_compute") for entry in run["plan_history"].get("deft", [])
+                          if isinstance(entry.get("closed_loop"), dict) and entry["closed_loop"].get("min_compute")),
+                         None)
+            floored = [(f"{label}, compute >= {floor:.2f}", {**options, "min_compute": floor})
+                       for label, options in settings if "prior_weight" not in options] if floor else []
+            for label, options in settings + floored:
                 fitted = refine_scales(measured, parts, **options)
                 print(f"    {label:24s} compute {fitted.compute:.2f}  link {fitted.link:.2f}  "
                       f"contention {fitted.contention:.2f}  rms miss {100 * fitted.error:.1f} %")

@@ -256,7 +256,8 @@ def compute_floor(cpu_ms: list[tuple[Any, float]], compute_ms: Callable[[Any], f
     Preserver saw nothing to hide. The compute thread's CPU time is a direct measure: it runs the step's kernels
     (one intra-op thread, as on the suite's workers; with more, it sees only its own share, and the bound is only
     looser) and sleeps while it waits for a collective, so the time it waited, and the time another thread took
-    its core, are not in it."""
+    its core, are not in it. Not on an accelerator, where the thread only launches kernels (and may spin in a
+    synchronise): the runtime passes no CPU time there, and the bound is 0."""
     ratios = [ms / compute_ms(plan) for plan, ms in cpu_ms if ms > 0 and compute_ms(plan) > 0]
     return (1.0 - slack) * statistics.median(ratios) if ratios else 0.0
 

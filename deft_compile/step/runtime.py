@@ -94,6 +94,8 @@ class CompiledStep:
         self.policy_runtime: PolicyRuntime = policy_runtime  # what the policy does between steps
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.loss_scaler: LossScaler | None = LossScaler.from_config(config.loss_scale, device)
+        # the step thread's CPU time is its compute only where it runs the kernels itself (closed_loop.compute_floor)
+        self._cpu_timed = device.type == "cpu"
         self.last_grad_norm: torch.Tensor | None = None  # total gradient norm of the latest clipped update
         self.last_update_skipped = False  # loss scaling found an inf/NaN in the latest update and skipped it
         self.last_call_updated = False  # the last call applied an optimizer update (False while accumulating)
@@ -235,7 +237,8 @@ class CompiledStep:
         if self._monitor is not None:
             self._monitor.after_step(outputs, args, kwargs, seconds if measurable else None)
         if self.closed_loop is not None:  # measured plans, refined profile (deft_compile.step.closed_loop)
-            self.closed_loop.after_step(self, seconds, measurable=measurable, cpu_seconds=cpu_seconds)
+            self.closed_loop.after_step(self, seconds, measurable=measurable,
+                                        cpu_seconds=cpu_seconds if self._cpu_timed else None)
         return outputs
 
     def _use_step_group(self, group: CommGroup | None) -> None:
