@@ -25,9 +25,9 @@ overlap the model does not capture), the plan may be wrong. The loop:
    closed form, from three plans on). The link factor is never below
    ``MIN_LINK_FACTOR``, and the compute factor never below what the step's own
    thread was measured busy (``compute_floor``: its CPU time per step, which
-   leaves out the time it waits for communication). Refining is decided once every candidate is measured,
-   from the worst gap among them (the priority plans are the ones the
-   simulator misses most).
+   leaves out the time it waits for communication). Refining is decided once
+   every candidate is measured, from the worst gap among them (the priority
+   plans are the ones the simulator misses most).
    A ByteScheduler or US-Byte step (on by default for them too) has one candidate:
    its own plan, searched again (partition size and credit; split layer and scale)
    on the refined profile.
@@ -258,7 +258,8 @@ def compute_floor(cpu_ms: list[tuple[Any, float]], compute_ms: Callable[[Any], f
     looser) and sleeps while it waits for a collective, so the time it waited, and the time another thread took
     its core, are not in it. Not on an accelerator, where the thread only launches kernels (and may spin in a
     synchronise): the runtime passes no CPU time there, and the bound is 0."""
-    ratios = [ms / compute_ms(plan) for plan, ms in cpu_ms if ms > 0 and compute_ms(plan) > 0]
+    pairs = [(ms, compute_ms(plan)) for plan, ms in cpu_ms if ms > 0]
+    ratios = [ms / compute for ms, compute in pairs if compute > 0]
     return (1.0 - slack) * statistics.median(ratios) if ratios else 0.0
 
 
