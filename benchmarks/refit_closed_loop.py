@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
             floor = next((entry["closed_loop"].get("min_compute") for entry in run["plan_history"].get("deft", [])
                           if isinstance(entry.get("closed_loop"), dict) and entry["closed_loop"].get("min_compute")),
                          None)
-            floored = [(f"{label}, compute >= {floor:.2f}", {**options, "min_compute": floor})
-                       for label, options in settings if "prior_weight" not in options] if floor else []
+            floored = [(f"gamma held, prior, compute >= {floor:.2f}", {"contention": 0.0, "min_compute": floor}),
+                       (f"gamma fitted, prior, compute >= {floor:.2f}", {"min_compute": floor})] if floor else []
             for label, options in settings + floored:
                 fitted = refine_scales(measured, parts, **options)
                 print(f"    {label:24s} compute {fitted.compute:.2f}  link {fitted.link:.2f}  "

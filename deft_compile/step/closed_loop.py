@@ -467,7 +467,6 @@ class ClosedLoop:
         self._times: list[float] = []
         self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
         self._cpu: list[float] = []  # per entry of _times: the step thread's CPU ms (none when not given)
-        self._window_cpu: float | None = None  # the last complete window's agreed CPU ms per step
         self._window: int | None = None  # steps of the current window once stretched (``min_window_ms``)
         self._kinds: dict[str, bool] = {}  # plan hash -> synchronous (``_synchronous``)
         self._refined = False
@@ -527,8 +526,6 @@ class ClosedLoop:
             return
         self.windows[step.plan.hash()] = len(self._times)
         self.measured[step.plan.hash()] = (step.plan, measured)
-        if self._window_cpu is not None:
-            self.compute_cpu[step.plan.hash()] = self._window_cpu
         if self.state == "observe":
             self._after_observe(step, measured)
         else:
@@ -537,7 +534,7 @@ class ClosedLoop:
     def _new_window(self, plan_hash: str | None) -> None:
         """Start counting (warm-up, window, re-check interval) afresh for the plan ``plan_hash``."""
         self._expect, self._since_change, self._times, self._cold, self._window = plan_hash, 0, [], [], None
-        self._cpu, self._window_cpu = [], None
+        self._cpu = []
 
     def _synchronous(self, plan) -> bool:
         """``_is_synchronous`` once per plan: asked on every settled step, over plans of up to hundreds of items."""
@@ -549,7 +546,7 @@ class ClosedLoop:
     def _window_step(self, step, ms: float, cold: bool, cpu_ms: float | None = None) -> float | None:
         """Add one step to the current window; the plan's agreed time once the window is complete, else None.
         With the step thread's CPU ms given for every step of the window, their agreed value (the same statistic,
-        one all-reduce with the time) is left in ``_window_cpu``."""
+        one all-reduce with the time) becomes the plan's ``compute_cpu`` once the window is complete."""
         self._times.append(ms)
         self._cold.append(cold)
         if cpu_ms is not None:
@@ -561,16 +558,18 @@ class ClosedLoop:
         with_cpu = len(self._cpu) == len(self._times)
         agreed = self._agree(step, plan_step_ms(self._times, period, self._cold),
                              *([plan_step_ms(self._cpu, period, self._cold)] if with_cpu else []))
-        measured, self._window_cpu = agreed[0], (agreed[1] if with_cpu else None)
+        measured = agreed[0]
         # the agreed time says whether the window spans enough time (the same on every rank); asked again at the
         # stretched length, since the first steps after a switch run slower and stretch it too little
-        stretched = window_steps(measured, planned, max_period(step.plan), self.config.min_window_ms,
+        stretched = window_steps(measured, planned, period, self.config.min_window_ms,
                                  self.config.max_window_steps)
         if stretched > planned:
             self._window = stretched
             log.info("closed loop: %.2f ms steps, window stretched from %d to %d steps (min_window_ms %.0f)",
                      measured, planned, stretched, self.config.min_window_ms)
             return None
+        if with_cpu:
+            self.compute_cpu[step.plan.hash()] = agreed[1]
         return measured
 
     def _recheck_step(self, step, ms: float, cold: bool) -> None:
