@@ -149,9 +149,12 @@ def test_gpt2_with_tied_embeddings_and_lr_schedule_follows_the_delayed_reference
     """docs/TIME_TO_ACCURACY.md measured a large loss cost of delays on its GPT-2; this rules out a defect: the
     same model (tied embeddings, AdamW, a per-step warm-up schedule through the learning-rate graph input)
     with delayed and synchronous buckets, the tied embedding delayed, follows the eager delayed reference.
-    Tolerance 1e-3 relative: the attention's key bias gets a gradient that is zero up to round-off, which
-    Adam normalises to full-size steps of either sign (the same 7e-4 appears with a synchronous plan against
-    DDP); every other tensor agrees to ~1e-6."""
+    Every tensor agrees to 2e-5 relative (6e-6 seen), except the key slices of the fused attention bias: their gradient is
+    zero up to round-off (the softmax ignores a bias added to every key alike), and Adam turns that round-off
+    into steps whose size depends on the order of the float sums (1.1e-3 relative on one CPU, 7e-4 on another,
+    and the same with a synchronous plan against DDP). Those are bounded in absolute terms (3e-6 seen), far
+    below one learning-rate step (peak lr 1e-3); they share their tensor, bucket and update with the query and
+    value slices, which the relative bound holds."""
     results = run_local_workers(compare_gpt2_delayed_with_reference, 2, (8, delayed_update), timeout_s=240)
     for rank, report in enumerate(r.value for r in results):
         assert report["tied"]
@@ -159,9 +162,10 @@ def test_gpt2_with_tied_embeddings_and_lr_schedule_follows_the_delayed_reference
         assert len(report["params"]) > len(report["delayed"]) > 0, "a plan that mixes delayed and synchronous buckets"
         assert report["steps"][-1]["lr"] < report["steps"][3]["lr"], "the schedule must move the learning rate"
         for entry in report["steps"] + [report["final"]]:
-            check_entry(entry, False, f"rank {rank} step {entry.get('step', 'final')}", tolerance=1e-3)
-            if entry["max_rel"] > 1e-5:
-                assert entry["worst"].endswith("attn.c_attn.bias"), entry
+            where = f"rank {rank} step {entry.get('step', 'final')}"
+            check_entry(entry, False, where, tolerance=2e-5)
+            assert entry["key_bias"]["compared"] > 0, entry["key_bias"]
+            assert entry["key_bias"]["max_abs"] <= 1e-4, f"{where}: key bias {entry['key_bias']}"
 
 
 @pytest.mark.parametrize("case", ["mlp_dropout_sgd", "cnn_batchnorm_adam", "transformer_tied_adamw_groups"])
