@@ -4,8 +4,11 @@ The bench JSON keeps, per launch, ``deft``'s refined profile and the closed loop
 fitted and every measured plan's time). This script undoes the recorded factors to get the profile as measured,
 re-solves the synchronous plans the loop timed (DDP's buckets, ByteScheduler's, US-Byte's; matched by plan hash),
 and fits them again with ``refine_scales`` under four settings: γ held at the profile's or fitted, each with no
-prior (``prior_weight=0``) and with ``PRIOR_WEIGHT``; and, where the launch recorded the compute floor it fitted
-under (``min_compute``, from session 16 on), both γ settings with it. What docs/BENCHMARKS.md, session 13, quotes.
+prior (``prior_weight=0``) and with ``PRIOR_WEIGHT``; where the launch recorded the compute floor it fitted
+under (``min_compute``, from session 16 on), both γ settings with it; and where it recorded the step thread's
+run-queue delays (session 17 on), ``refine_from_threads``: compute and contention measured, the link's per-byte
+and per-message factors fitted. Each plan's predicted time on that last refinement is printed beside its measured
+one. What docs/BENCHMARKS.md, sessions 13 and 17, quote.
 
     python benchmarks/refit_closed_loop.py benchmarks/results/suite-inductor-transformers-s13.json
 """
@@ -17,8 +20,11 @@ import json
 from typing import Any
 
 from deft_compile.planner.plan import Profile
+from deft_compile.planner.simulator import simulate
 from deft_compile.planner.solvers import solve
-from deft_compile.step.closed_loop import PRIOR_WEIGHT, contention_parts, refine_scales, scaled_profile
+from deft_compile.planner.stability import predicted_ms
+from deft_compile.step.closed_loop import (PRIOR_WEIGHT, contention_parts, refine_from_threads, refine_scales,
+                                         scaled_profile)
 
 
 def measured_synchronous_plans(run: dict[str, Any], variant: str = "deft"):
@@ -31,8 +37,9 @@ def measured_synchronous_plans(run: dict[str, Any], variant: str = "deft"):
         return None
     compute, link = records[0]["scales"]
     contention = records[0].get("contention") or 0.0
+    latency = records[0].get("latency_scale") or link
     refined = Profile.from_json(run["profiles"][variant])
-    base = scaled_profile(refined, 1.0 / compute, 1.0 / link, 0.0)
+    base = scaled_profile(refined, 1.0 / compute, 1.0 / link, 0.0, latency=1.0 / latency)
     plans = {plan.hash()[:12]: plan for plan in (solve(base, variant, max_staleness=0), solve(base, "bytescheduler"),
                                                  solve(base, "usbyte"))}
     measured = [(plans[h], c["measured_ms"]) for h, c in records[0]["candidates"].items() if h in plans]
@@ -74,6 +81,22 @@ def main(argv: list[str] | None = None) -> None:
                 fitted = refine_scales(measured, parts, **options)
                 print(f"    {label:24s} compute {fitted.compute:.2f}  link {fitted.link:.2f}  "
                       f"contention {fitted.contention:.2f}  rms miss {100 * fitted.error:.1f} %")
+            candidates = next(entry["closed_loop"]["candidates"] for entry in run["plan_history"]["deft"]
+                              if isinstance(entry.get("closed_loop"), dict) and entry["closed_loop"].get("candidates"))
+            threads = [(c["compute_cpu_ms"], c["run_queue_ms"]) if "run_queue_ms" in c else None
+                       for c in (candidates[plan.hash()[:12]] for plan, _ in measured)]
+            fitted = refine_from_threads(measured, lambda plan, a, b, l, base=base: contention_parts(
+                scaled_profile(base, a, b, latency=l), plan), lambda plan, base=base: simulate(
+                    base, plan, record=False, check=False).compute_ms, threads)
+            if fitted is None:
+                continue
+            print(f"    {'from the thread clocks':24s} compute {fitted.compute:.2f}  link {fitted.link:.2f}  latency "
+                  f"{fitted.latency:.2f}  contention {fitted.contention:.2f} (run-queue share "
+                  f"{fitted.run_queue_share:.2f})  rms miss {100 * fitted.error:.1f} %")
+            refined_profile = scaled_profile(base, fitted.compute, fitted.link, fitted.contention, latency=fitted.latency)
+            for (plan, ms), timed in zip(measured, threads):
+                print(f"      {plan.policy:14s} measured {ms:7.1f} ms (CPU {timed[0]:6.1f}, run queue {timed[1]:5.1f})"
+                      f"  predicted {predicted_ms(refined_profile, plan):7.1f} ms")
 
 
 if __name__ == "__main__":

@@ -94,8 +94,11 @@ class DeftConfig(BucketSizes):
             model on one link measured 0.09 to 0.75 across launches, so plans
             followed the noise; with it on, the Preserver declined trades whose
             predicted gain it cut (docs/BENCHMARKS.md, session 11). A profile you
-            give keeps its own. ``ClosedLoopConfig(fit_contention=True)``
-            refits it from the plans the closed loop measures (opt-in).
+            give keeps its own. The closed loop's refinement replaces it: on a
+            CPU host it measures it from the step thread's run-queue delay
+            (``ClosedLoopConfig.measure_contention``, on by default), and
+            ``ClosedLoopConfig(fit_contention=True)`` fits it to the measured
+            plans' times where that cannot be read (opt-in).
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB

@@ -9,8 +9,9 @@ import pytest
 
 from deft_compile.planner.zoo_profiles import build_profile
 from deft_compile.planner.solvers import solve
-from deft_compile.step.closed_loop import (ClosedLoopConfig, Duel, compute_floor, contention_parts, refine_scales,
-                                         rounds_disagree, scaled_profile, window_steps)
+from deft_compile.step.closed_loop import (ClosedLoopConfig, Duel, compute_floor, contention_parts,
+                                         measured_contention, refine_from_threads, refine_scales, rounds_disagree,
+                                         scaled_profile, window_steps)
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
 from workers import check_entry, closed_loop_recheck_run, closed_loop_run, control_group_run
@@ -30,20 +31,41 @@ def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
         # the plan re-solved on a refined profile when the first measurement missed its prediction by > tolerance
         assert len(measured) in (4, 5) and all(m["measured_ms"] > 0 for m in measured.values())
         assert any("synchronous priority candidate" in r for r in reasons), reasons
-        # the record carries the profile's contention beside the factors (the given profile's: fit_contention is off)
+        # the record carries the profile's contention beside the factors (the given profile's: fit_contention and
+        # measure_contention are off)
         assert all(h["closed_loop"]["contention"] == 0.0 for h in report["history"] if "closed_loop" in h)
-        # and, per measured plan, the step thread's CPU time per step (``compute_floor``): time it ran, never more
-        # than the step took where nothing was injected (the synchronous plans), never below the bound it sets
+        # and, per measured plan, the step thread's CPU time per step (``compute_floor``) and run-queue delay
+        # (``measured_contention``): time it ran and time it waited for its core, never more than the step took
+        # where nothing was injected (the synchronous plans), never below the bound the CPU time sets
         for entry in measured.values():
-            assert entry["compute_cpu_ms"] > 0, measured
+            assert entry["compute_cpu_ms"] > 0 and entry["run_queue_ms"] >= 0.0, measured
             if entry["synchronous"]:
                 assert entry["compute_cpu_ms"] <= entry["measured_ms"], measured
+                assert entry["run_queue_ms"] <= entry["measured_ms"], measured
         record = report["history"][-1]["closed_loop"]
         assert record["scales"][0] >= record["min_compute"] >= 0.0, record
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
     assert results[0]["history"] == results[1]["history"] or [h["plan_hash"] for h in results[0]["history"]] == [
         h["plan_hash"] for h in results[1]["history"]
     ]
+
+
+def test_the_closed_loop_refines_from_the_step_threads_clocks():
+    """Nothing injected, ``measure_contention`` on: the given profile is far from this tiny model's real times, so
+    the loop refines, and with every candidate's CPU and run-queue times read it measures the compute and the
+    contention and fits the link per byte and per message (``refine_from_threads``); every rank refines alike,
+    since the clocks are agreed with the times."""
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, (0.0, 40, 0.0, 2, 0.0, 0.0, 0.0, 0, 0.0, False,
+                                                                       True), timeout_s=240)]
+    for report in results:
+        refined = [h["closed_loop"] for h in report["history"]
+                   if "closed_loop" in h and h["closed_loop"]["scales"] != [1.0, 1.0]]
+        assert refined, report["history"]
+        for record in refined:
+            assert record["run_queue_share"] >= 0.0 and 0.0 <= record["contention"] <= 1.0, record
+            assert record["scales"][0] > 0.0 and record["scales"][1] > 0.0 and record["latency_scale"] > 0.0, record
+    assert [(h["step"], h["plan_hash"], h.get("closed_loop", {}).get("scales")) for h in results[0]["history"]] == [
+        (h["step"], h["plan_hash"], h.get("closed_loop", {}).get("scales")) for h in results[1]["history"]]
 
 
 def test_keeps_the_delaying_plan_when_it_measures_faster():
@@ -341,6 +363,98 @@ def test_the_compute_floor_mends_the_degenerate_fit_recorded_in_session_15():
     assert free.compute < 0.3 and held.compute >= bound - 1e-9, (free, held)
     fitted = refine_scales(measured, parts, min_compute=bound)
     assert fitted.compute >= bound - 1e-9 and fitted.contention > 0.5 and fitted.error < held.error, (fitted, held)
+
+
+def test_measured_contention_separates_the_cores_share_from_what_communication_takes():
+    """Pure: run-queue ms = share x CPU ms + contention x overlap ms. Normal mode (each compute thread on a core of
+    its own, communication beside it takes some of it) and accelerator emulation (the two ranks' compute threads
+    share a core, so the thread waits about as long as it runs, and communication takes nothing) are told apart by
+    plans that overlap differently; too few plans, or none that overlaps, give no answer."""
+    plans = [(40.0, 30.0), (52.0, 75.0), (50.0, 55.0)]  # (CPU ms, overlap ms) of DDP's buckets and two priority plans
+    normal = measured_contention([(cpu, 0.02 * cpu + 0.35 * overlap, overlap) for cpu, overlap in plans])
+    assert math.isclose(normal[0], 0.02, abs_tol=1e-6) and math.isclose(normal[1], 0.35, abs_tol=1e-6), normal
+    emulated = measured_contention([(cpu, 1.0 * cpu, overlap) for cpu, overlap in plans])
+    assert math.isclose(emulated[0], 1.0, abs_tol=1e-6) and emulated[1] == 0.0, emulated
+    # noise that would make the unconstrained fit negative is held on the boundary: no negative share or contention
+    noisy = measured_contention([(40.0, 0.5, 30.0), (52.0, 30.0, 75.0), (50.0, 20.0, 55.0), (45.0, 0.0, 20.0)])
+    assert noisy[0] >= 0.0 and 0.0 <= noisy[1] <= 1.0, noisy
+    assert measured_contention([(40.0, 20.0, 10.0), (50.0, 120.0, 60.0)])[1] == 1.0  # twice the overlap: at most 1
+    assert measured_contention([(40.0, 10.0, 30.0)]) is None
+    assert measured_contention([(40.0, 10.0, 0.0), (50.0, 12.0, 0.0)]) is None
+
+
+def _thread_times(profile, plans, share: float, contention: float) -> list[tuple[float, float]]:
+    """What the step thread's clocks would read per plan on ``profile`` (its contention replaced): the compute
+    stream runs ``1 / (1 + share)`` of its time and waits for its core the rest, plus what ``contention`` takes
+    where communication overlaps it."""
+    from deft_compile.planner.simulator import simulate
+
+    times = []
+    for plan in plans:
+        busy = simulate(scaled_profile(profile, 1.0, 1.0, 0.0), plan, record=False, check=False).compute_ms
+        _, overlap = contention_parts(profile, plan)
+        times.append((busy / (1.0 + share), share * busy / (1.0 + share) + contention * overlap))
+    return times
+
+
+def _measured_refinement_case(model: str, link: float, latency: float):
+    """A zoo profile, DDP's buckets and the two priority plans solved on it, their times on the profile with
+    ``link`` x the per-byte cost and ``latency`` x the per-message latency, and the simulators for the fit."""
+    from deft_compile.planner.simulator import simulate
+
+    profile = build_profile(model, inter_gbps=25)
+    plans = [solve(profile, "deft", max_staleness=0), solve(profile, "bytescheduler"), solve(profile, "usbyte")]
+    parts = lambda plan, a, b, l=None: contention_parts(scaled_profile(profile, a, b, latency=l), plan)  # noqa: E731
+    compute = lambda plan: simulate(profile, plan, record=False, check=False).compute_ms  # noqa: E731
+    return profile, plans, scaled_profile(profile, 1.0, link, latency=latency), parts, compute
+
+
+def test_refinement_from_the_step_threads_clocks_measures_compute_and_contention_and_fits_the_link():
+    """The shape of ResNet-50's launch in session 17 (normal mode): the priority plans are slow because their
+    communication beside the forward takes the compute's core (contention 0.5) and because their many small
+    partitions pay more latency per message than the profiler's queue of tiny messages showed (3x), while DDP's
+    few large buckets send faster per byte than the profiler's 4 MiB probes (0.8x). From the thread's CPU and
+    run-queue times (3 % of the core taken by something else) the compute and the contention are measured, the
+    link's two factors fitted, and every plan's time reproduced; the fit of ``refine_scales`` (one link factor,
+    the contention held) cannot reproduce them."""
+    profile, plans, link_truth, parts, compute = _measured_refinement_case("resnet101", 0.8, 3.0)
+    truth = scaled_profile(link_truth, 1.0, 1.0, contention=0.5)
+    measured = [(plan, predicted_ms(truth, plan)) for plan in plans]
+    threads = _thread_times(truth, plans, share=0.03, contention=0.5)
+    exact = refine_from_threads(measured, parts, compute, threads, prior_weight=0.0)
+    assert math.isclose(exact.compute, 1.0, rel_tol=0.01) and math.isclose(exact.contention, 0.5, abs_tol=0.02), exact
+    assert math.isclose(exact.run_queue_share, 0.03, abs_tol=0.01), exact
+    assert math.isclose(exact.link, 0.8, rel_tol=0.05) and math.isclose(exact.latency, 3.0, rel_tol=0.1), exact
+    assert exact.error < 0.005, exact
+    fitted = refine_from_threads(measured, parts, compute, threads)  # the default prior: as good, nearer 1
+    assert fitted.error < 0.01 and math.isclose(fitted.compute, 1.0, rel_tol=0.01), fitted
+    for plan, ms in measured:
+        refined = scaled_profile(profile, fitted.compute, fitted.link, fitted.contention, latency=fitted.latency)
+        assert math.isclose(predicted_ms(refined, plan), ms, rel_tol=0.02)
+    held = refine_scales(measured, lambda plan, a, b: parts(plan, a, b), 0.0)
+    assert held.error > 3 * fitted.error and held.run_queue_share is None and held.latency is None, held
+
+
+def test_refinement_from_the_step_threads_clocks_under_accelerator_emulation():
+    """Both ranks' compute threads on one core: each runs half its compute stream's time and waits for the core
+    the other half (share 1), communication takes nothing from it (its threads are on the other core). The
+    profile, timed the same way, holds the whole stream: the compute factor is 1, not the 0.5 the CPU time alone
+    would say, and the contention 0."""
+    profile, plans, truth, parts, compute = _measured_refinement_case("gpt2", 1.0, 1.0)
+    measured = [(plan, predicted_ms(truth, plan)) for plan in plans]
+    fitted = refine_from_threads(measured, parts, compute, _thread_times(truth, plans, share=1.0, contention=0.0))
+    assert math.isclose(fitted.compute, 1.0, rel_tol=0.01) and fitted.contention < 0.02, fitted
+    assert math.isclose(fitted.run_queue_share, 1.0, abs_tol=0.02) and fitted.error < 0.01, fitted
+
+
+def test_refinement_from_the_step_threads_clocks_needs_two_plans_with_them():
+    profile, plans, truth, parts, compute = _measured_refinement_case("gpt2", 1.0, 1.0)
+    measured = [(plan, predicted_ms(truth, plan)) for plan in plans]
+    threads = _thread_times(truth, plans, share=0.0, contention=0.3)
+    assert refine_from_threads(measured, parts, compute, [threads[0], None, None]) is None
+    assert refine_from_threads(measured, parts, compute, [threads[0], None, threads[2]]) is not None
+    with pytest.raises(ValueError, match="thread_ms"):
+        refine_from_threads(measured, parts, compute, threads[:2])
 
 
 def test_a_window_of_short_steps_is_stretched_to_span_min_window_ms():

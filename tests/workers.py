@@ -796,7 +796,7 @@ def _mlp_with_delaying_profile(rank: int, world_size: int, steps: int):
 def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, drift_ms_per_step: float = 0.0,
                     duel_rounds: int = 2, priority_ms: float = 0.0, base_ms: float = 0.0,
                     min_window_ms: float = 0.0, duel_max_rounds: int = 0, flip_rounds_ms: float = 0.0,
-                    replan_in_synchronous_duel: bool = False) -> dict:
+                    replan_in_synchronous_duel: bool = False, measure_contention: bool = False) -> dict:
     """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
     of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
     ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier);
@@ -807,7 +807,10 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
     ``duel_max_rounds`` is the loop's (0: a duel never runs past ``duel_rounds``). ``flip_rounds_ms`` is subtracted
     from a plan with delays in a duel's even rounds and added in its odd ones (rounds that disagree).
     ``replan_in_synchronous_duel``: in the second block of a duel between synchronous plans, re-plan to the initial
-    plan's options (as the Preserver's trade does through ``switch_plan``)."""
+    plan's options (as the Preserver's trade does through ``switch_plan``). ``measure_contention`` is the loop's:
+    off by default here, since the step thread's clocks do not see the injected times, and a refinement that
+    measures compute from them while fitting the link to those times re-plans to profiles no model has (a plan
+    with update periods, one more trial), which moves the steps the duel tests count on."""
     from deft_compile.preserver import PreserverConfig
     from deft_compile.step.closed_loop import PRIORITY_POLICIES, SYNCHRONOUS_DUEL, ClosedLoopConfig
 
@@ -815,7 +818,8 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=min_window_ms, max_window_steps=40,
                                                      warmup_steps=2, measure_steps=3, duel_rounds=duel_rounds,
-                                                     duel_steps=1, duel_max_rounds=duel_max_rounds))
+                                                     duel_steps=1, duel_max_rounds=duel_max_rounds,
+                                                     measure_contention=measure_contention))
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     loop = step.closed_loop
 
@@ -856,7 +860,8 @@ def closed_loop_recheck_run(rank: int, world_size: int, steps: int, flip_at: int
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2,
                                                      duel_rounds=2, duel_steps=1, priority_candidate=False,
-                                                     recheck_every=6, duel_max_rounds=0))
+                                                     recheck_every=6, duel_max_rounds=0,
+                                                     measure_contention=False))  # injected times: see closed_loop_run
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
 
     def inject(plan) -> float:
@@ -888,7 +893,7 @@ def closed_loop_priority_run(rank: int, world_size: int, steps: int, replan_at: 
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     config = DeftConfig(plan_options={"max_staleness": 0}, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2, duel_rounds=2,
-                                                     duel_steps=1, duel_max_rounds=0))
+                                                     duel_steps=1, duel_max_rounds=0, measure_contention=False))  # injected times: see closed_loop_run
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile, config=config)
     step.closed_loop.inject = lambda plan: -1000.0 if plan.policy in PRIORITY_POLICIES else 0.0
     report, replanned = [], None
@@ -919,7 +924,7 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
 
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=2, measure_steps=3, duel_rounds=2,
-                                                     duel_steps=1, duel_max_rounds=0))
+                                                     duel_steps=1, duel_max_rounds=0, measure_contention=False))  # injected times: see closed_loop_run
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     kept: list[str] = []
 
@@ -1205,7 +1210,8 @@ def closed_loop_hybrid_run(rank: int, world_size: int, steps: int, priority_sche
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
                         plan_options={"max_staleness": 0},
                         closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2, duel_rounds=2,
-                                                     duel_steps=1, priority_schedule=priority_schedule, duel_max_rounds=0))
+                                                     duel_steps=1, priority_schedule=priority_schedule, duel_max_rounds=0,
+                                                     measure_contention=False))  # injected times: see closed_loop_run
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile, config=config)
     step.closed_loop.inject = lambda plan: 1000.0 if plan.policy in PRIORITY_POLICIES else 2000.0
     initial_options, replan, settled_policy = None, None, None
@@ -1237,7 +1243,8 @@ def priority_closed_loop_run(rank: int, world_size: int, policy: str, steps: int
     scratch = copy.deepcopy(base)
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=policy, profile=profile,
-                        config=DeftConfig(closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1, measure_steps=2)))
+                        config=DeftConfig(closed_loop=ClosedLoopConfig(enabled=True, min_window_ms=0.0, warmup_steps=1,
+                                                                       measure_steps=2, measure_contention=False)))  # injected times: see closed_loop_run
     step.closed_loop.inject = lambda plan: slower_ms
     report = []
     for t, (inputs, targets) in enumerate(batches):

@@ -27,7 +27,11 @@ overlap the model does not capture), the plan may be wrong. The loop:
    thread was measured busy (``compute_floor``: its CPU time per step, which
    leaves out the time it waits for communication). Refining is decided once
    every candidate is measured, from the worst gap among them (the priority
-   plans are the ones the simulator misses most).
+   plans are the ones the simulator misses most). Where the runtime reads the step
+   thread's clocks (``step.thread_clock``: its CPU time and its run-queue delay, the time it
+   was ready while another thread held its core), the compute and the contention are measured
+   instead and only the link is fitted, per byte and per message apart (``refine_from_threads``,
+   ``ClosedLoopConfig.measure_contention``).
    A ByteScheduler or US-Byte step (on by default for them too) has one candidate:
    its own plan, searched again (partition size and credit; split layer and scale)
    on the refined profile.
@@ -171,8 +175,16 @@ class ClosedLoopConfig:
             and where it came out high the Preserver declined trades: ``deft``
             ran 0.90-0.97x / 0.84-0.85x DDP against 0.85x / 0.82x without it
             (docs/BENCHMARKS.md, session 12). False keeps the profile's
-            (``DeftConfig.contention``).
-        priority_schedule: once a priority plan is the synchronous plan
+            (``DeftConfig.contention``). Where ``measure_contention`` measures it, this is not used.
+        measure_contention: refine from the step thread's own clocks where it has them (a step on the CPU, on a
+            kernel that reports the run-queue delay; ``step.thread_clock``), from two measured plans on
+            (``refine_from_threads``): the compute factor from the thread's CPU time, the contention from the
+            time it waited for its core while communication ran beside it (``measured_contention``), and the
+            link's per-byte and per-message factors fitted to the step times. Why: fitted from step times alone
+            the three numbers are not pinned down (see ``fit_contention``), and with the contention held at 0
+            the fit explained the priority plans' slowness with a slow link that over-predicted DDP's buckets
+            by 21-23 % on ResNet-50 in normal mode; measured, the same launch's three plans are reproduced
+            within 0.3 % (docs/BENCHMARKS.md, session 17). False: the fit from step times, as before. once a priority plan is the synchronous plan
             settled on, later ``deft`` re-plans with delays (the Preserver's
             trades) carry the parameters they leave synchronous on its
             schedule (``synchronous_schedule``, ``planner.solvers.hybrid``)
@@ -197,6 +209,7 @@ class ClosedLoopConfig:
     recheck_margin: float = 0.15
     priority_candidate: bool = True
     fit_contention: bool = False
+    measure_contention: bool = True
     priority_schedule: bool = False
 
     def active_for(self, policy: str, profile_given: bool = False) -> bool:
@@ -209,12 +222,17 @@ SimulateParts = Callable[[Any, float, float], "tuple[float, float]"]
 
 @dataclass(frozen=True)
 class Refinement:
-    """What the closed loop fitted: compute and link factors, the contention, and the rms relative error left."""
+    """What the closed loop fitted: compute and link factors, the contention, and the rms relative error left.
+    ``run_queue_share`` is set when the contention was measured from run-queue delays (``measured_contention``);
+    ``latency`` when the links' per-message latency got a factor of its own (``refine_from_threads``; otherwise
+    ``link`` scales it with the per-byte cost)."""
 
     compute: float
     link: float
     contention: float
     error: float
+    run_queue_share: float | None = None
+    latency: float | None = None
 
 
 def contention_parts(profile, plan) -> tuple[float, float]:
@@ -263,6 +281,47 @@ def compute_floor(cpu_ms: list[tuple[Any, float]], compute_ms: Callable[[Any], f
     return (1.0 - slack) * statistics.median(ratios) if ratios else 0.0
 
 
+def measured_contention(samples: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """(the run-queue share of compute, the contention) that explain the step thread's measured run-queue delays.
+
+    ``samples``: per measured plan, (the step thread's CPU ms per step, its run-queue ms per step, the simulator's
+    ms per step that the plan's communication overlaps compute). The model: ``run_queue = share x cpu +
+    contention x overlap``. The first term is what the thread waits for its core with no communication beside it
+    (another process; in accelerator emulation, the other rank's compute thread pinned to the same core, which
+    the profile's compute already includes); the second is what communication beside the compute takes from it,
+    the simulator's ``Profile.contention``. A non-negative least squares, contention at most 1; None with fewer
+    than two plans, or none that overlaps, since then the two terms cannot be told apart.
+
+    Why measure it: the step's time alone cannot tell what overlapped communication costs the compute from a
+    slower link or slower compute. Fitted from three plans' times, the contention came out 0 to 0.7 across
+    launches of one model (docs/BENCHMARKS.md, session 12), and held at 0 the refinement explained the priority
+    plans' slowness in normal mode with a slow link that then over-predicted DDP's buckets by 23 % (session 16).
+    The kernel counts the run-queue delay directly (``step.thread_clock``)."""
+    samples = [(cpu, queue, overlap) for cpu, queue, overlap in samples if cpu > 0]
+    if len(samples) < 2 or not any(overlap > 0 for _, _, overlap in samples):
+        return None
+
+    def residual(share: float, contention: float) -> float:
+        return sum((queue - share * cpu - contention * overlap) ** 2 for cpu, queue, overlap in samples)
+
+    cc = sum(cpu * cpu for cpu, _, _ in samples)
+    oo = sum(overlap * overlap for _, _, overlap in samples)
+    co = sum(cpu * overlap for cpu, _, overlap in samples)
+    cq = sum(cpu * queue for cpu, queue, _ in samples)
+    oq = sum(overlap * queue for _, queue, overlap in samples)
+    candidates = []
+    determinant = cc * oo - co * co
+    if determinant > 1e-9 * cc * oo:  # the unconstrained solution, if it is feasible
+        share, contention = (cq * oo - oq * co) / determinant, (oq * cc - cq * co) / determinant
+        if share >= 0.0 and 0.0 <= contention <= 1.0:
+            candidates.append((share, contention))
+    # otherwise on the boundary: no share, no contention, or contention 1, each with the other term's best value
+    candidates.append((0.0, min(1.0, max(0.0, oq / oo))))
+    candidates.append((max(0.0, cq / cc), 0.0))
+    candidates.append((max(0.0, (cq - co) / cc), 1.0))
+    return min(candidates, key=lambda pair: residual(*pair))
+
+
 #: how strongly the refinement prefers factors near 1 (the profile as measured), in squared relative error per
 #: squared log factor: doubling a factor costs as much as a 2 % rms miss. Why: the plans a step measures are
 #: often close in time (three synchronous plans within a few percent), and then very different factor pairs fit
@@ -291,7 +350,7 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
     then two finer ones around the best.
     """
 
-    def fit(a: float, b: float) -> tuple[float, float]:
+    def evaluate(a: float, b: float) -> tuple[float, Refinement]:
         parts = [(simulate_parts(plan, a, b), ms) for plan, ms in measured]
         gamma = contention
         if gamma is None:
@@ -299,33 +358,98 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
             slack = sum(overlap * (ms - base) / (ms * ms) for (base, overlap), ms in parts)
             gamma = min(1.0, max(0.0, slack / weight)) if weight > 0 else 0.0
         error = math.sqrt(sum(((base + gamma * overlap - ms) / ms) ** 2 for (base, overlap), ms in parts) / len(parts))
-        return error, gamma
+        return error * error + prior_weight * (math.log(a) ** 2 + math.log(b) ** 2), Refinement(a, b, gamma, error)
 
-    def objective(a: float, b: float, error: float) -> float:
-        return error * error + prior_weight * (math.log(a) ** 2 + math.log(b) ** 2)
+    return _log_grid_search(evaluate, (max(1.0, min_compute), 1.0), (min_compute, min_link), fit_link)
 
-    def grid(center_a: float, center_b: float, span: float,
-             points: int) -> tuple[float, float, float, float, float]:  # (score, error, a, b, contention)
-        best = (math.inf, math.inf, center_a, center_b, 0.0)
+
+#: the least per-byte link factor ``refine_from_threads`` may fit. Lower than ``MIN_LINK_FACTOR``: there the
+#: compute is measured, not fitted, so the link can no longer trade against it, and the profiler's per-byte cost
+#: comes from messages of at most 4 MiB while DDP's buckets hold 25 MiB: on the suite's ResNet-50 in normal mode
+#: the fit took 0.71x with every plan reproduced within 1.2 % (docs/BENCHMARKS.md, session 17).
+MIN_MEASURED_LINK_FACTOR = 0.5
+
+
+def refine_from_threads(measured: list[tuple[Any, float]], simulate_parts: Callable[..., "tuple[float, float]"],
+                        compute_ms: Callable[[Any], float], thread_ms: list[tuple[float, float] | None],
+                        prior_weight: float = PRIOR_WEIGHT,
+                        min_link: float = MIN_MEASURED_LINK_FACTOR) -> Refinement | None:
+    """The profile's factors from what the step thread measured, the link's from the times; None with fewer than
+    two plans that have thread times (``measured_contention`` cannot separate its two terms then).
+
+    ``thread_ms``: per entry of ``measured``, the step thread's (CPU ms, run-queue ms) per step, or None.
+    ``simulate_parts(plan, compute, link, latency)``: the plan's simulated time split as ``contention_parts``
+    splits it, on the profile with compute times scaled by ``compute``, the links' per-byte costs by ``link`` and
+    their per-message latencies by ``latency``; ``compute_ms(plan)``: the simulator's compute-stream ms per step
+    of the plan on the profile as measured.
+
+    Three steps, each from a measurement where one exists:
+
+    1. The run-queue share of compute and the contention, at the profile's factors (``measured_contention``).
+    2. The compute factor: the median over plans of what the step thread ran (CPU ms) plus what it waited for its
+       core with no communication beside it (the share of that), over the simulated compute of the plan. The
+       share matters under accelerator emulation, where two ranks' compute threads take turns on one core: there
+       a thread runs half its compute stream's time, and the profile, timed the same way, holds the whole.
+    3. The link's per-byte and per-message factors, on a log grid (as ``refine_scales``, with its prior): the
+       contention measured again at each point (the overlap moves with the link).
+
+    Why the latency apart: plans of a few large buckets hinge on the per-byte cost, plans of many small
+    partitions (ByteScheduler's 164 per step on ResNet-50) on the per-message latency; one factor for both made
+    the slow partitions' time look like a slow link, which then over-predicted DDP's buckets by 21-23 %
+    (docs/BENCHMARKS.md, sessions 16-17)."""
+    timed = [(plan, ms, threads) for (plan, ms), threads in zip(measured, thread_ms) if threads is not None]
+    if len(thread_ms) != len(measured):
+        raise ValueError(f"thread_ms has {len(thread_ms)} entries for {len(measured)} measured plans")
+    if len(timed) < 2:
+        return None
+
+    def contention_at(compute: float, link: float, latency: float):
+        overlaps = [simulate_parts(plan, compute, link, latency)[1] for plan, _, _ in timed]
+        return measured_contention([(cpu, queue, overlap) for (_, _, (cpu, queue)), overlap in zip(timed, overlaps)])
+
+    first = contention_at(1.0, 1.0, 1.0)
+    if first is None:
+        return None
+    share = first[0]
+    ratios = [cpu * (1.0 + share) / compute_ms(plan) for plan, _, (cpu, _) in timed if compute_ms(plan) > 0]
+    if not ratios:
+        return None
+    compute = statistics.median(ratios)
+
+    def evaluate(link: float, latency: float) -> tuple[float, Refinement]:
+        parts = [(simulate_parts(plan, compute, link, latency), ms) for plan, ms in measured]
+        found = measured_contention([(cpu, queue, overlap) for ((_, overlap), _), threads
+                                     in zip(parts, thread_ms) if threads is not None for cpu, queue in [threads]])
+        queue_share, gamma = found if found is not None else (share, first[1])
+        error = math.sqrt(sum(((base + gamma * overlap - ms) / ms) ** 2 for (base, overlap), ms in parts) / len(parts))
+        score = error * error + prior_weight * (math.log(link) ** 2 + math.log(latency) ** 2)
+        return score, Refinement(compute, link, gamma, error, queue_share, latency)
+
+    return _log_grid_search(evaluate, (1.0, 1.0), (min_link, min_link), True)
+
+
+def _log_grid_search(evaluate: Callable[[float, float], "tuple[float, Refinement]"], start: tuple[float, float],
+                     least: tuple[float, float], search_second: bool) -> Refinement:
+    """The best of ``evaluate(x, y)`` (score, refinement) on three log grids, each around the best point so far:
+    0.125x..8x with points sqrt(2) apart, then sqrt(2) either side, then 2^(1/8) (about 1 %); neither factor
+    below its ``least``, the second held at its start unless ``search_second``."""
+    best_point, best = start, (math.inf, None)
+    for span, points in ((8.0, 13), (math.sqrt(2.0), 9), (2 ** 0.125, 9)):
+        center = best_point
         for i in range(points):
-            for j in range(points if fit_link else 1):
-                a = max(min_compute, center_a * span ** (2 * i / (points - 1) - 1))
-                b = max(min_link, center_b * span ** (2 * j / (points - 1) - 1)) if fit_link else center_b
-                e, gamma = fit(a, b)
-                score = objective(a, b, e)
+            for j in range(points if search_second else 1):
+                x = max(least[0], center[0] * span ** (2 * i / (points - 1) - 1))
+                y = max(least[1], center[1] * span ** (2 * j / (points - 1) - 1)) if search_second else center[1]
+                score, refinement = evaluate(x, y)
                 if score < best[0] - 1e-12:
-                    best = (score, e, a, b, gamma)
-        return best
-
-    _, e, a, b, gamma = grid(max(1.0, min_compute), 1.0, 8.0, 13)  # 0.125x .. 8x, factor sqrt(2) apart
-    _, e, a, b, gamma = grid(a, b, math.sqrt(2.0), 9)
-    _, e, a, b, gamma = grid(a, b, 2 ** 0.125, 9)  # ~1.1% apart
-    return Refinement(a, b, gamma, e)
+                    best, best_point = (score, refinement), (x, y)
+    return best[1]
 
 
-def scaled_profile(profile, compute: float, link: float, contention: float | None = None):
-    """``profile`` with every compute time times ``compute``, every link's α, β times ``link``, and (if given) its
-    contention replaced."""
+def scaled_profile(profile, compute: float, link: float, contention: float | None = None,
+                   latency: float | None = None):
+    """``profile`` with every compute time times ``compute``, every link's β times ``link`` and α times ``latency``
+    (``link`` when None), and (if given) its contention replaced."""
     from deft_compile.planner.plan import Profile
 
     data = profile.to_dict()
@@ -337,7 +461,7 @@ def scaled_profile(profile, compute: float, link: float, contention: float | Non
     for key in ("extra_forward_ms", "extra_backward_ms", "message_cpu_ms"):
         data[key] *= compute
     for entry in data["links"]:
-        entry["alpha_ms"] *= link
+        entry["alpha_ms"] *= link if latency is None else latency
         entry["beta_ms_per_byte"] *= link
     return Profile.from_dict(data)
 
@@ -456,7 +580,14 @@ class ClosedLoop:
         self.measured: dict[str, tuple[Any, float]] = {}  # plan hash -> (plan, agreed measured ms)
         # plan hash -> agreed CPU ms per step of the step's thread, from its sequential window (``compute_floor``)
         self.compute_cpu: dict[str, float] = {}
+        # plan hash -> agreed run-queue ms per step of the step's thread (time it was ready while another thread held
+        # its core), from the same window (``measured_contention``)
+        self.run_queue: dict[str, float] = {}
         self.min_compute = 0.0  # the refinement's least compute factor (``compute_floor``), once refined
+        # the run-queue share of compute without communication beside it, when the refinement measured the
+        # contention (``measured_contention``)
+        self.run_queue_share: float | None = None
+        self.latency_scale: float | None = None  # the links' per-message factor, when fitted apart (refine_from_threads)
         self.windows: dict[str, int] = {}  # plan hash -> steps its (latest sequential) measurement spanned
         self.synchronous_only = False
         self.scales: tuple[float, float] = (1.0, 1.0)
@@ -467,6 +598,7 @@ class ClosedLoop:
         self._times: list[float] = []
         self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
         self._cpu: list[float] = []  # per entry of _times: the step thread's CPU ms (none when not given)
+        self._queued: list[float] = []  # per entry of _times: the step thread's run-queue ms (none when not given)
         self._window: int | None = None  # steps of the current window once stretched (``min_window_ms``)
         self._kinds: dict[str, bool] = {}  # plan hash -> synchronous (``_synchronous``)
         self._refined = False
@@ -489,10 +621,13 @@ class ClosedLoop:
             options = {**options, "synchronous_schedule": self.priority_schedule}
         return options
 
-    def after_step(self, step, seconds: float, measurable: bool = True, cpu_seconds: float | None = None) -> None:
+    def after_step(self, step, seconds: float, measurable: bool = True, cpu_seconds: float | None = None,
+                   run_queue_seconds: float | None = None) -> None:
         """One step of ``step.plan`` took ``seconds``; ``measurable=False`` if it ran a graph cold (its time is
         the compiler's, not the plan's: counted in the window, left out of the plan's time). ``cpu_seconds``: the
-        step thread's CPU time in it (``time.thread_time``), which bounds the refined compute (``compute_floor``)."""
+        step thread's CPU time in it (``time.thread_time``), which bounds the refined compute (``compute_floor``);
+        ``run_queue_seconds``: the time the step thread was ready to run while another thread held its core
+        (``thread_clock``), which measures the contention (``measured_contention``)."""
         if step.plan is None or step.process_group is None:
             return
         if self._expect is None:
@@ -521,7 +656,8 @@ class ClosedLoop:
         if self._since_change <= self.config.warmup_steps:
             return
         measured = self._window_step(step, seconds * 1e3 + extra, not measurable,
-                                     None if cpu_seconds is None else cpu_seconds * 1e3)
+                                     None if cpu_seconds is None else cpu_seconds * 1e3,
+                                     None if run_queue_seconds is None else run_queue_seconds * 1e3)
         if measured is None:
             return
         self.windows[step.plan.hash()] = len(self._times)
@@ -534,7 +670,7 @@ class ClosedLoop:
     def _new_window(self, plan_hash: str | None) -> None:
         """Start counting (warm-up, window, re-check interval) afresh for the plan ``plan_hash``."""
         self._expect, self._since_change, self._times, self._cold, self._window = plan_hash, 0, [], [], None
-        self._cpu = []
+        self._cpu, self._queued = [], []
 
     def _synchronous(self, plan) -> bool:
         """``_is_synchronous`` once per plan: asked on every settled step, over plans of up to hundreds of items."""
@@ -543,22 +679,27 @@ class ClosedLoop:
             self._kinds[key] = _is_synchronous(plan)
         return self._kinds[key]
 
-    def _window_step(self, step, ms: float, cold: bool, cpu_ms: float | None = None) -> float | None:
+    def _window_step(self, step, ms: float, cold: bool, cpu_ms: float | None = None,
+                     queue_ms: float | None = None) -> float | None:
         """Add one step to the current window; the plan's agreed time once the window is complete, else None.
-        With the step thread's CPU ms given for every step of the window, their agreed value (the same statistic,
-        one all-reduce with the time) becomes the plan's ``compute_cpu`` once the window is complete."""
+        With the step thread's CPU ms (run-queue ms) given for every step of the window, their agreed value (the
+        same statistic, one all-reduce with the time) becomes the plan's ``compute_cpu`` (``run_queue``) once the
+        window is complete."""
         self._times.append(ms)
         self._cold.append(cold)
         if cpu_ms is not None:
             self._cpu.append(cpu_ms)
+        if queue_ms is not None:
+            self._queued.append(queue_ms)
         planned = self._window or measure_window(step.plan, self.config.measure_steps)
         if len(self._times) < planned:
             return None
         period = max_period(step.plan)
-        with_cpu = len(self._cpu) == len(self._times)
+        threads = {name: samples for name, samples in (("cpu", self._cpu), ("queue", self._queued))
+                   if len(samples) == len(self._times)}
         agreed = self._agree(step, plan_step_ms(self._times, period, self._cold),
-                             *([plan_step_ms(self._cpu, period, self._cold)] if with_cpu else []))
-        measured = agreed[0]
+                             *(plan_step_ms(samples, period, self._cold) for samples in threads.values()))
+        measured, thread_ms = agreed[0], dict(zip(threads, agreed[1:]))
         # the agreed time says whether the window spans enough time (the same on every rank); asked again at the
         # stretched length, since the first steps after a switch run slower and stretch it too little
         stretched = window_steps(measured, planned, period, self.config.min_window_ms,
@@ -568,8 +709,10 @@ class ClosedLoop:
             log.info("closed loop: %.2f ms steps, window stretched from %d to %d steps (min_window_ms %.0f)",
                      measured, planned, stretched, self.config.min_window_ms)
             return None
-        if with_cpu:
-            self.compute_cpu[step.plan.hash()] = agreed[1]
+        if "cpu" in thread_ms:
+            self.compute_cpu[step.plan.hash()] = thread_ms["cpu"]
+        if "queue" in thread_ms:
+            self.run_queue[step.plan.hash()] = thread_ms["queue"]
         return measured
 
     def _recheck_step(self, step, ms: float, cold: bool) -> None:
@@ -666,9 +809,11 @@ class ClosedLoop:
 
         base = step.profile
         measured = [value for value in self.measured.values()]
+        thread_ms = [(self.compute_cpu[h], self.run_queue[h]) if h in self.compute_cpu and h in self.run_queue
+                     else None for h in self.measured]
 
-        def simulate_parts(plan, a: float, b: float) -> tuple[float, float]:
-            return contention_parts(scaled_profile(base, a, b), plan)
+        def simulate_parts(plan, a: float, b: float, latency: float | None = None) -> tuple[float, float]:
+            return contention_parts(scaled_profile(base, a, b, latency=latency), plan)
 
         def compute_ms(plan) -> float:
             from deft_compile.planner.simulator import simulate
@@ -677,23 +822,35 @@ class ClosedLoop:
 
         self.min_compute = compute_floor([(self.measured[h][0], cpu) for h, cpu in self.compute_cpu.items()
                                           if h in self.measured], compute_ms)
-        # One measurement cannot separate compute from link: assume the link is as measured and fit compute only.
-        # Three plans on (differing in what they overlap) pin the contention down; fewer keep the profile's.
-        fit_gamma = self.config.fit_contention and len(measured) >= 3
-        fitted = refine_scales(measured, simulate_parts, contention=None if fit_gamma else base.contention,
-                               fit_link=len(measured) >= 2, min_compute=self.min_compute)
+        # Measured where the step thread's clocks were read for two plans or more: compute from its CPU time,
+        # contention from its run-queue delay, the link (per byte and per message) fitted to the times.
+        fitted = refine_from_threads(measured, simulate_parts, compute_ms, thread_ms) \
+            if self.config.measure_contention else None
+        # Otherwise fitted to the times: one measurement cannot separate compute from link (assume the link is as
+        # measured and fit compute only); three plans on (differing in what they overlap) pin the contention down,
+        # fewer keep the profile's.
+        fit_gamma = fitted is None and self.config.fit_contention and len(measured) >= 3
+        if fitted is None:
+            fitted = refine_scales(measured, simulate_parts, contention=None if fit_gamma else base.contention,
+                                   fit_link=len(measured) >= 2, min_compute=self.min_compute)
         a, b, error = fitted.compute, fitted.link, fitted.error
         self.scales = (a, b)
-        step.profile = scaled_profile(base, a, b, fitted.contention)
+        self.latency_scale, self.run_queue_share = fitted.latency, fitted.run_queue_share
+        step.profile = scaled_profile(base, a, b, fitted.contention, latency=fitted.latency)
         # The initial plan's options, not the last trial's: that may be the synchronous candidate (solved with
         # max_staleness=0) or a priority plan (another solver's options). A priority policy's plan options are
         # its search's results (partition size, credit, ...): it searches again on the refined profile.
         initial = self._initial or step.plan
         options = step.solver_options() if step.policy in PRIORITY_POLICIES else dict(initial.options)
         refined = solve_stable(step.profile, step.policy, incumbent=initial, **options)
-        log.info("closed loop: refined profile (compute x%.2f, at least x%.2f by the step thread's CPU time; link "
-                 "x%.2f, contention %.2f%s, fit error %.1f%%)", a, self.min_compute, b, fitted.contention,
-                 "" if fit_gamma else " kept", 100 * error)
+        if fitted.run_queue_share is not None:
+            log.info("closed loop: refined profile from the step thread's clocks (compute x%.2f, run-queue share "
+                     "%.2f, contention %.2f) and the times (link x%.2f per byte, x%.2f per message; fit error "
+                     "%.1f%%)", a, fitted.run_queue_share, fitted.contention, b, fitted.latency, 100 * error)
+        else:
+            log.info("closed loop: refined profile (compute x%.2f, at least x%.2f by the step thread's CPU time; "
+                     "link x%.2f, contention %.2f %s, fit error %.1f%%)", a, self.min_compute, b, fitted.contention,
+                     "fitted" if fit_gamma else "kept", 100 * error)
         if refined.hash() in (initial.hash(), step.plan.hash()):
             return None
         return refined
@@ -789,7 +946,8 @@ class ClosedLoop:
         return {
             h[:12]: {"measured_ms": round(ms, 3), "predicted_ms": round(predicted_ms(step.profile, p), 3),
                      "synchronous": self._synchronous(p),
-                     **({"compute_cpu_ms": round(self.compute_cpu[h], 3)} if h in self.compute_cpu else {})}
+                     **({"compute_cpu_ms": round(self.compute_cpu[h], 3)} if h in self.compute_cpu else {}),
+                     **({"run_queue_ms": round(self.run_queue[h], 3)} if h in self.run_queue else {})}
             for h, (p, ms) in self.measured.items()
         }
 
@@ -920,10 +1078,15 @@ class ClosedLoop:
         step.switch_plan(plan.options, reason, plan=plan, record=record)
         self._new_window(step.plan.hash())
         if record:
-            step.plan_history[-1]["closed_loop"] = {"state": self.state, "scales": list(self.scales),
-                                                    "min_compute": self.min_compute,
-                                                    "contention": step.profile.contention, **extra}
+            step.plan_history[-1]["closed_loop"] = {"state": self.state, **self._profile_record(step), **extra}
             log.info("%s; measured so far: %s", reason, {h[:12]: round(ms, 3) for h, (_p, ms) in self.measured.items()})
+
+    def _profile_record(self, step) -> dict[str, Any]:
+        """What the refinement made of the profile, for ``plan_history``."""
+        record = {"scales": list(self.scales), "min_compute": self.min_compute, "contention": step.profile.contention}
+        if self.run_queue_share is not None:
+            record.update(run_queue_share=self.run_queue_share, latency_scale=self.latency_scale)
+        return record
 
     def _note(self, step, reason: str, plan, measured: float, predicted: float, **extra: Any) -> None:
         entry = {
@@ -932,8 +1095,7 @@ class ClosedLoop:
             "reason": reason,
             "delayed_items": sum(1 for item in plan.items if item.delay),
             "max_period": max((item.period for item in plan.items), default=1),
-            "closed_loop": {"measured_ms": measured, "predicted_ms": predicted, "scales": list(self.scales),
-                            "min_compute": self.min_compute, "contention": step.profile.contention, **extra},
+            "closed_loop": {"measured_ms": measured, "predicted_ms": predicted, **self._profile_record(step), **extra},
         }
         step.plan_history.append(entry)
         log.info("step %d: %s: measured %.2f ms, predicted %.2f ms", step.step_count, reason, measured, predicted)

@@ -55,6 +55,7 @@ from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL
 from deft_compile.planner.solvers import POLICIES, solve, solve_wfbp
 from deft_compile.step.policy_runtime import PolicyRuntime, runtime_for
 from deft_compile.step.closed_loop import ClosedLoop
+from deft_compile.step.thread_clock import ThreadClock
 
 log = logging.getLogger("deft_compile")
 
@@ -94,8 +95,10 @@ class CompiledStep:
         self.policy_runtime: PolicyRuntime = policy_runtime  # what the policy does between steps
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.loss_scaler: LossScaler | None = LossScaler.from_config(config.loss_scale, device)
-        # the step thread's CPU time is its compute only where it runs the kernels itself (closed_loop.compute_floor)
+        # the step thread's CPU time is its compute, and its run-queue delay what other threads took from that
+        # compute, only where it runs the kernels itself (closed_loop.compute_floor, closed_loop.measured_contention)
         self._cpu_timed = device.type == "cpu"
+        self._thread_clock = ThreadClock()
         self.last_grad_norm: torch.Tensor | None = None  # total gradient norm of the latest clipped update
         self.last_update_skipped = False  # loss scaling found an inf/NaN in the latest update and skipped it
         self.last_call_updated = False  # the last call applied an optimizer update (False while accumulating)
@@ -221,7 +224,8 @@ class CompiledStep:
         if self._monitor is not None:
             self._monitor.before_step()
         cold_runs = self.lowering.cold_runs
-        started, cpu_started = time.perf_counter(), time.thread_time()
+        started = time.perf_counter()
+        self._thread_clock.start()
         outputs = self._timed_run(compiled, user_tensors)
         self.policy_runtime.after_step(self)
         for item in self._items:
@@ -232,13 +236,15 @@ class CompiledStep:
         self.step_count += 1
         # the plan's own time: without the Preserver's measurements (they cost the same whichever plan runs and
         # are priced by the Preserver itself), and not a step that ran a graph cold (compiling, or its first run)
-        seconds, cpu_seconds = time.perf_counter() - started, time.thread_time() - cpu_started
+        seconds = time.perf_counter() - started
+        cpu_seconds, queue_seconds = self._thread_clock.stop()
         measurable = self.lowering.cold_runs == cold_runs
         if self._monitor is not None:
             self._monitor.after_step(outputs, args, kwargs, seconds if measurable else None)
         if self.closed_loop is not None:  # measured plans, refined profile (deft_compile.step.closed_loop)
             self.closed_loop.after_step(self, seconds, measurable=measurable,
-                                        cpu_seconds=cpu_seconds if self._cpu_timed else None)
+                                        cpu_seconds=cpu_seconds if self._cpu_timed else None,
+                                        run_queue_seconds=queue_seconds if self._cpu_timed else None)
         return outputs
 
     def _use_step_group(self, group: CommGroup | None) -> None:
