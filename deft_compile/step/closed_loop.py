@@ -184,7 +184,8 @@ class ClosedLoopConfig:
             the three numbers are not pinned down (see ``fit_contention``), and with the contention held at 0
             the fit explained the priority plans' slowness with a slow link that over-predicted DDP's buckets
             by 21-23 % on ResNet-50 in normal mode; measured, the same launch's three plans are reproduced
-            within 0.3 % (docs/BENCHMARKS.md, session 17). False: the fit from step times, as before. once a priority plan is the synchronous plan
+            within 0.3 % (docs/BENCHMARKS.md, session 17). False: the fit from step times, as before.
+        priority_schedule: once a priority plan is the synchronous plan
             settled on, later ``deft`` re-plans with delays (the Preserver's
             trades) carry the parameters they leave synchronous on its
             schedule (``synchronous_schedule``, ``planner.solvers.hybrid``)
@@ -366,7 +367,7 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
 #: the least per-byte link factor ``refine_from_threads`` may fit. Lower than ``MIN_LINK_FACTOR``: there the
 #: compute is measured, not fitted, so the link can no longer trade against it, and the profiler's per-byte cost
 #: comes from messages of at most 4 MiB while DDP's buckets hold 25 MiB: on the suite's ResNet-50 in normal mode
-#: the fit took 0.71x with every plan reproduced within 1.2 % (docs/BENCHMARKS.md, session 17).
+#: the fit took 0.75x with its three plans reproduced within 0.3 % (benchmarks/results/s17-diag).
 MIN_MEASURED_LINK_FACTOR = 0.5
 
 
@@ -397,9 +398,9 @@ def refine_from_threads(measured: list[tuple[Any, float]], simulate_parts: Calla
     partitions (ByteScheduler's 164 per step on ResNet-50) on the per-message latency; one factor for both made
     the slow partitions' time look like a slow link, which then over-predicted DDP's buckets by 21-23 %
     (docs/BENCHMARKS.md, sessions 16-17)."""
-    timed = [(plan, ms, threads) for (plan, ms), threads in zip(measured, thread_ms) if threads is not None]
     if len(thread_ms) != len(measured):
         raise ValueError(f"thread_ms has {len(thread_ms)} entries for {len(measured)} measured plans")
+    timed = [(plan, ms, threads) for (plan, ms), threads in zip(measured, thread_ms) if threads is not None]
     if len(timed) < 2:
         return None
 
@@ -411,7 +412,8 @@ def refine_from_threads(measured: list[tuple[Any, float]], simulate_parts: Calla
     if first is None:
         return None
     share = first[0]
-    ratios = [cpu * (1.0 + share) / compute_ms(plan) for plan, _, (cpu, _) in timed if compute_ms(plan) > 0]
+    simulated = [(cpu, compute_ms(plan)) for plan, _, (cpu, _) in timed]
+    ratios = [cpu * (1.0 + share) / busy for cpu, busy in simulated if busy > 0]
     if not ratios:
         return None
     compute = statistics.median(ratios)
