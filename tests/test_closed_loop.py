@@ -591,6 +591,22 @@ def test_a_priority_plan_close_to_ddps_buckets_must_win_a_duel_against_them(prio
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
 
 
+def test_a_step_back_to_the_plan_a_duels_synchronous_block_runs_ends_the_duel():
+    """The plan with delays measures 1 s faster, and its duel against the synchronous plan would keep it. In the
+    duel's synchronous block the Preserver steps back to synchronous (as when it prices the delays out): its
+    options solve to the very plan that block runs, so no plan hash changes. The loop must still see the decision
+    and stay synchronous; it used to miss it and settle on the plan with delays at the duel's verdict (session 17's
+    ResNet-50 launches, docs/BENCHMARKS.md)."""
+    args = (-1000.0, 40, 0.0, 2, 30.0, 2000.0, 0.0, 0, 0.0, False, False, True)
+    results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
+    for report in results:
+        assert report["stepped_back"] is not None and report["stepped_back"][1], report["stepped_back"]
+        reasons = [h["reason"] for h in report["history"]]
+        assert report["state"] == "settled" and report["final_delayed"] == 0, reasons
+        assert not any("plan with delays won the duel" in r for r in reasons), reasons
+    assert results[0]["plan_hash"] == results[1]["plan_hash"]
+
+
 def test_a_replan_during_the_duel_of_synchronous_plans_waits_for_its_verdict():
     """A re-plan with delays (as the Preserver's trade) arrives in the middle of the duel between a priority plan and
     DDP's buckets. The duel goes on to its verdict, the loop settles on the winner, then runs the re-plan, which was

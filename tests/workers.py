@@ -796,7 +796,8 @@ def _mlp_with_delaying_profile(rank: int, world_size: int, steps: int):
 def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, drift_ms_per_step: float = 0.0,
                     duel_rounds: int = 2, priority_ms: float = 0.0, base_ms: float = 0.0,
                     min_window_ms: float = 0.0, duel_max_rounds: int = 0, flip_rounds_ms: float = 0.0,
-                    replan_in_synchronous_duel: bool = False, measure_contention: bool = False) -> dict:
+                    replan_in_synchronous_duel: bool = False, measure_contention: bool = False,
+                    step_back_in_duel: bool = False) -> dict:
     """deft with a delaying plan and the closed loop on; ``slower_ms`` is added to the measured step time
     of every plan with delays (as if they ran slower), so the loop must fall back to the synchronous plan.
     ``drift_ms_per_step`` adds a load that grows with every step to every plan (a machine getting busier);
@@ -807,7 +808,9 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
     ``duel_max_rounds`` is the loop's (0: a duel never runs past ``duel_rounds``). ``flip_rounds_ms`` is subtracted
     from a plan with delays in a duel's even rounds and added in its odd ones (rounds that disagree).
     ``replan_in_synchronous_duel``: in the second block of a duel between synchronous plans, re-plan to the initial
-    plan's options (as the Preserver's trade does through ``switch_plan``). ``measure_contention`` is the loop's:
+    plan's options (as the Preserver's trade does through ``switch_plan``). ``step_back_in_duel``: in the first
+    synchronous block of a duel of a plan with delays, switch to the synchronous options (as the Preserver does when
+    it prices the delays out), which solve to the very plan that block runs. ``measure_contention`` is the loop's:
     off by default here, since the step thread's clocks do not see the injected times, and a refinement that
     measures compute from them while fitting the link to those times re-plans to profiles no model has (a plan
     with update periods, one more trial), which moves the steps the duel tests count on."""
@@ -833,6 +836,7 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
 
     loop.inject = inject
     initial_delayed, initial_options, replanned_at = None, None, None
+    stepped_back = None  # (step, whether the synchronous options solved to the plan the duel's block ran)
     for t in range(steps):
         step(*batches[t])
         if initial_delayed is None:  # the closed loop observes the initial plan first
@@ -842,10 +846,17 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
                 and loop.duel.why == SYNCHRONOUS_DUEL and loop.duel.block == 1):
             step.switch_plan(initial_options, "test: a re-plan with delays during the duel of synchronous plans")
             replanned_at = step.step_count
+        if (step_back_in_duel and stepped_back is None and loop.state == "duel" and loop.duel.why != SYNCHRONOUS_DUEL
+                and loop.duel.current is loop.duel.plans[1] and loop.duel.steps > 0):
+            running = step.plan.hash()
+            step.switch_plan({**initial_options, "max_staleness": 0, "allow_period": False},
+                             "test: the Preserver steps back to synchronous")
+            stepped_back = (step.step_count, step.plan.hash() == running)
     step.flush()
     return {"initial_delayed": initial_delayed, "final_delayed": sum(1 for item in step.plan.items if item.delay),
             "state": step.closed_loop.state, "plan_hash": step.plan.hash(), "final_policy": step.plan.policy,
             "initial_plan_hash": step.plan_history[0]["plan_hash"], "replanned_at": replanned_at,
+            "stepped_back": stepped_back,
             "history": [{k: v for k, v in h.items()} for h in step.plan_history]}
 
 

@@ -596,6 +596,7 @@ class ClosedLoop:
         self.duel: Duel | None = None
         self._queue: list[tuple[Any, str]] = []
         self._expect: str | None = None
+        self._switches = 0  # the step's ``plan_switches`` as of the loop's own last switch (or its first step)
         self._since_change = 0
         self._times: list[float] = []
         self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
@@ -633,8 +634,12 @@ class ClosedLoop:
         if step.plan is None or step.process_group is None:
             return
         if self._expect is None:
-            self._expect = step.plan.hash()
-        if step.plan.hash() != self._expect:  # someone else (the Preserver) switched
+            self._expect, self._switches = step.plan.hash(), step.plan_switches
+        # someone else (the Preserver) switched: to another plan, or to the one that runs (its decision to step back
+        # to the synchronous plan during a duel's synchronous block, which would otherwise go unseen and be undone
+        # by the duel's verdict)
+        if step.plan.hash() != self._expect or step.plan_switches != self._switches:
+            self._switches = step.plan_switches
             self._new_window(step.plan.hash())
             if self.state == "duel" and self.duel.why == SYNCHRONOUS_DUEL:
                 # which synchronous plan a re-plan must beat is being decided: the re-plan waits for the verdict
@@ -1078,6 +1083,7 @@ class ClosedLoop:
 
     def _switch(self, step, plan, reason: str, record: bool = True, **extra: Any) -> None:
         step.switch_plan(plan.options, reason, plan=plan, record=record)
+        self._switches = step.plan_switches
         self._new_window(step.plan.hash())
         if record:
             step.plan_history[-1]["closed_loop"] = {"state": self.state, **self._profile_record(step), **extra}

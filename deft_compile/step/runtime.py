@@ -123,6 +123,9 @@ class CompiledStep:
         self._recorder: MeasuredTimelineRecorder | None = None
         self._step_group: CommGroup | None = None  # the group this step's items use, when the policy picks one
         self.plan_history: list[dict[str, Any]] = []
+        # calls of ``switch_plan``: a switch to the plan that already runs changes no hash, and the closed loop must
+        # still see that someone decided (the Preserver stepping back to the synchronous plan a duel is timing)
+        self.plan_switches = 0
         self.step_count = 0
         self.trace_count = 0  # step graphs built (passes run), one per cache miss
         self.capture_count = 0  # of those, the ones that traced the step (make_fx) instead of reusing a capture
@@ -297,6 +300,7 @@ class CompiledStep:
         """
         self.flush()
         self.plan = plan if plan is not None else self.solve(options)
+        self.plan_switches += 1
         if self.config.check_consistency:
             check_same_across_ranks({"plan": self.plan.hash()}, self._process_group)
         self._items = self._scheduled(self.plan, self._index)
