@@ -358,7 +358,7 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
             weight = sum(overlap * overlap / (ms * ms) for (_, overlap), ms in parts)
             slack = sum(overlap * (ms - base) / (ms * ms) for (base, overlap), ms in parts)
             gamma = min(1.0, max(0.0, slack / weight)) if weight > 0 else 0.0
-        error = math.sqrt(sum(((base + gamma * overlap - ms) / ms) ** 2 for (base, overlap), ms in parts) / len(parts))
+        error = _rms_miss(parts, gamma)
         return error * error + prior_weight * (math.log(a) ** 2 + math.log(b) ** 2), Refinement(a, b, gamma, error)
 
     return _log_grid_search(evaluate, (max(1.0, min_compute), 1.0), (min_compute, min_link), fit_link)
@@ -423,11 +423,17 @@ def refine_from_threads(measured: list[tuple[Any, float]], simulate_parts: Calla
         found = measured_contention([(cpu, queue, overlap) for ((_, overlap), _), threads
                                      in zip(parts, thread_ms) if threads is not None for cpu, queue in [threads]])
         queue_share, gamma = found if found is not None else (share, first[1])
-        error = math.sqrt(sum(((base + gamma * overlap - ms) / ms) ** 2 for (base, overlap), ms in parts) / len(parts))
+        error = _rms_miss(parts, gamma)
         score = error * error + prior_weight * (math.log(link) ** 2 + math.log(latency) ** 2)
         return score, Refinement(compute, link, gamma, error, queue_share, latency)
 
     return _log_grid_search(evaluate, (1.0, 1.0), (min_link, min_link), True)
+
+
+def _rms_miss(parts: list[tuple[tuple[float, float], float]], contention: float) -> float:
+    """The rms relative miss of simulated times against measured ones: ``parts`` are ((step ms without
+    contention, overlap ms), measured ms) per plan (``contention_parts``), at ``contention``."""
+    return math.sqrt(sum(((base + contention * overlap - ms) / ms) ** 2 for (base, overlap), ms in parts) / len(parts))
 
 
 def _log_grid_search(evaluate: Callable[[float, float], "tuple[float, Refinement]"], start: tuple[float, float],
