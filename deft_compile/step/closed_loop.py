@@ -131,7 +131,9 @@ class ClosedLoopConfig:
             refinement shrinks the compute (0.46-0.72x), the Preserver then
             trades one bucket instead of two, and that trade lost 4 of 6 duels:
             BERT's ``deft`` ran 0.90-0.93x DDP against 0.82-0.85x at 0.2
-            (docs/BENCHMARKS.md, session 13).
+            (docs/BENCHMARKS.md, session 13). Only for the fit from step times:
+            a refinement from the step thread's clocks (``measure_contention``)
+            runs whatever the gap.
         min_gain: a plan with delays must beat the synchronous plan by this
             fraction of the step time to be kept.
         duel_rounds: interleaved rounds of the final comparison between the best
@@ -808,6 +810,16 @@ class ClosedLoop:
                 log.warning("closed loop: no %s candidate: %s", policy, exc)
         return plans
 
+    def _clocks_measured(self) -> bool:
+        """Whether the refinement measures rather than fits (``refine_from_threads``): then it runs whatever the
+        gap. ``tolerance`` keeps a fit to step times alone from following noise; measured, the compute and the
+        contention come from the step thread's clocks. Why: gated by the gap, 4 of 6 transformer launches of
+        session 17 kept the profile's contention of 0 (their priority plans missed by 12-20 %), and the plan with
+        delays that the Preserver traded on that profile was predicted 21 % below its measured time on GPT-2
+        (docs/BENCHMARKS.md)."""
+        timed = [h for h in self.measured if h in self.compute_cpu and h in self.run_queue]
+        return self.config.measure_contention and len(timed) >= 2
+
     def _worst_gap(self, step) -> float:
         """The largest relative gap between a measured plan's time and the simulator's prediction for it."""
         from deft_compile.planner.stability import predicted_ms
@@ -871,7 +883,7 @@ class ClosedLoop:
     def _next_trial(self, step) -> None:
         if not self._queue and not self._refined:  # every candidate measured: refine once, on the worst miss
             self.gap = max(self.gap, self._worst_gap(step))
-            if self.gap > self.config.tolerance:
+            if self.gap > self.config.tolerance or self._clocks_measured():
                 self._refined = True
                 refined = self._refined_plan(step)
                 if refined is not None and refined.hash() not in self.measured:
