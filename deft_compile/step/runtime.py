@@ -228,7 +228,9 @@ class CompiledStep:
             self._monitor.before_step()
         cold_runs = self.lowering.cold_runs
         started = time.perf_counter()
-        self._thread_clock.start()
+        clocked = self.closed_loop is not None and self._cpu_timed  # two reads of /proc, about 16 µs: only if used
+        if clocked:
+            self._thread_clock.start()
         outputs = self._timed_run(compiled, user_tensors)
         self.policy_runtime.after_step(self)
         for item in self._items:
@@ -240,14 +242,13 @@ class CompiledStep:
         # the plan's own time: without the Preserver's measurements (they cost the same whichever plan runs and
         # are priced by the Preserver itself), and not a step that ran a graph cold (compiling, or its first run)
         seconds = time.perf_counter() - started
-        cpu_seconds, queue_seconds = self._thread_clock.stop()
+        cpu_seconds, queue_seconds = self._thread_clock.stop() if clocked else (None, None)
         measurable = self.lowering.cold_runs == cold_runs
         if self._monitor is not None:
             self._monitor.after_step(outputs, args, kwargs, seconds if measurable else None)
         if self.closed_loop is not None:  # measured plans, refined profile (deft_compile.step.closed_loop)
-            self.closed_loop.after_step(self, seconds, measurable=measurable,
-                                        cpu_seconds=cpu_seconds if self._cpu_timed else None,
-                                        run_queue_seconds=queue_seconds if self._cpu_timed else None)
+            self.closed_loop.after_step(self, seconds, measurable=measurable, cpu_seconds=cpu_seconds,
+                                        run_queue_seconds=queue_seconds)
         return outputs
 
     def _use_step_group(self, group: CommGroup | None) -> None:
