@@ -594,13 +594,9 @@ class ClosedLoop:
         # its core), from the same window (``measured_contention``)
         self.run_queue: dict[str, float] = {}
         self.min_compute = 0.0  # the refinement's least compute factor (``compute_floor``), once refined
-        # the run-queue share of compute without communication beside it, when the refinement measured the
-        # contention (``measured_contention``)
-        self.run_queue_share: float | None = None
-        self.latency_scale: float | None = None  # the links' per-message factor, when fitted apart (refine_from_threads)
+        self.refinement: Refinement | None = None  # what the refinement fitted or measured, once it ran
         self.windows: dict[str, int] = {}  # plan hash -> steps its (latest sequential) measurement spanned
         self.synchronous_only = False
-        self.scales: tuple[float, float] = (1.0, 1.0)
         self.duel: Duel | None = None
         self._queue: list[tuple[Any, str]] = []
         self._expect: str | None = None
@@ -620,6 +616,11 @@ class ClosedLoop:
         # the priority schedule (ByteScheduler's, US-Byte's) of the plan settled on (``_measured_priority_schedule``):
         # later deft re-plans carry their synchronous parameters on it (``adjust_options``)
         self.priority_schedule: str | None = None
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        """(compute factor, link factor) of the refined profile; (1, 1) before any refinement."""
+        return (self.refinement.compute, self.refinement.link) if self.refinement is not None else (1.0, 1.0)
 
     # -- hooks called by CompiledStep -------------------------------------------------
     def adjust_options(self, options: dict[str, Any]) -> dict[str, Any]:
@@ -810,6 +811,11 @@ class ClosedLoop:
                 log.warning("closed loop: no %s candidate: %s", policy, exc)
         return plans
 
+    def _thread_ms(self) -> list[tuple[float, float] | None]:
+        """Per measured plan (in ``measured``'s order), the step thread's agreed (CPU ms, run-queue ms), or None."""
+        return [(self.compute_cpu[h], self.run_queue[h]) if h in self.compute_cpu and h in self.run_queue else None
+                for h in self.measured]
+
     def _clocks_measured(self) -> bool:
         """Whether the refinement measures rather than fits (``refine_from_threads``): then it runs whatever the
         gap. ``tolerance`` keeps a fit to step times alone from following noise; measured, the compute and the
@@ -817,8 +823,7 @@ class ClosedLoop:
         session 17 kept the profile's contention of 0 (their priority plans missed by 12-20 %), and the plan with
         delays that the Preserver traded on that profile was predicted 21 % below its measured time on GPT-2
         (docs/BENCHMARKS.md)."""
-        timed = [h for h in self.measured if h in self.compute_cpu and h in self.run_queue]
-        return self.config.measure_contention and len(timed) >= 2
+        return self.config.measure_contention and sum(t is not None for t in self._thread_ms()) >= 2
 
     def _worst_gap(self, step) -> float:
         """The largest relative gap between a measured plan's time and the simulator's prediction for it."""
@@ -834,16 +839,19 @@ class ClosedLoop:
 
         base = step.profile
         measured = [value for value in self.measured.values()]
-        thread_ms = [(self.compute_cpu[h], self.run_queue[h]) if h in self.compute_cpu and h in self.run_queue
-                     else None for h in self.measured]
+        thread_ms = self._thread_ms()
 
         def simulate_parts(plan, a: float, b: float, latency: float | None = None) -> tuple[float, float]:
             return contention_parts(scaled_profile(base, a, b, latency=latency), plan)
 
+        simulated: dict[str, float] = {}  # plan hash -> compute ms: the floor and the measured refinement both ask
+
         def compute_ms(plan) -> float:
             from deft_compile.planner.simulator import simulate
 
-            return simulate(base, plan, record=False, check=False).compute_ms
+            if plan.hash() not in simulated:
+                simulated[plan.hash()] = simulate(base, plan, record=False, check=False).compute_ms
+            return simulated[plan.hash()]
 
         self.min_compute = compute_floor([(self.measured[h][0], cpu) for h, cpu in self.compute_cpu.items()
                                           if h in self.measured], compute_ms)
@@ -859,8 +867,7 @@ class ClosedLoop:
             fitted = refine_scales(measured, simulate_parts, contention=None if fit_gamma else base.contention,
                                    fit_link=len(measured) >= 2, min_compute=self.min_compute)
         a, b, error = fitted.compute, fitted.link, fitted.error
-        self.scales = (a, b)
-        self.latency_scale, self.run_queue_share = fitted.latency, fitted.run_queue_share
+        self.refinement = fitted
         step.profile = scaled_profile(base, a, b, fitted.contention, latency=fitted.latency)
         # The initial plan's options, not the last trial's: that may be the synchronous candidate (solved with
         # max_staleness=0) or a priority plan (another solver's options). A priority policy's plan options are
@@ -1109,9 +1116,10 @@ class ClosedLoop:
 
     def _profile_record(self, step) -> dict[str, Any]:
         """What the refinement made of the profile, for ``plan_history``."""
+        fitted = self.refinement
         record = {"scales": list(self.scales), "min_compute": self.min_compute, "contention": step.profile.contention}
-        if self.run_queue_share is not None:
-            record.update(run_queue_share=self.run_queue_share, latency_scale=self.latency_scale)
+        if fitted is not None and fitted.run_queue_share is not None:
+            record.update(run_queue_share=fitted.run_queue_share, latency_scale=fitted.latency)
         return record
 
     def _note(self, step, reason: str, plan, measured: float, predicted: float, **extra: Any) -> None:
