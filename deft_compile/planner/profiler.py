@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,6 +41,7 @@ from deft_compile.step.annotate import StepAnnotation
 from deft_compile.step.capture import CapturedStep
 from deft_compile.planner.plan import LinkCost, Profile
 from deft_compile.step.scheduling import ProfileIndex, static_profile
+from deft_compile.timing import HostClock, clock_for, comm_device, resolve_ms
 
 
 # All-reduce sizes the profiler times to fit a link's alpha and beta.
@@ -49,39 +49,69 @@ LINK_PROBE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 
 
 class _TimingInterpreter(fx.Interpreter):
+    """Runs the graph node by node, each node's work inside ``timed`` (the clock's bracket, ``Clock.time_nodes``)."""
+
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
-        self.times: dict[fx.Node, list[float]] = {}
+        self.timed: Callable[[Callable[[], Any]], Any] | None = None
+        self.order: list[fx.Node] = []
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op in ("placeholder", "output", "get_attr"):
+        if n.op in ("placeholder", "output", "get_attr") or self.timed is None:
             return super().run_node(n)
-        started = time.perf_counter()
-        result = super().run_node(n)
-        self.times.setdefault(n, []).append((time.perf_counter() - started) * 1e3)
-        return result
+        self.order.append(n)
+        return self.timed(lambda: super(_TimingInterpreter, self).run_node(n))
 
 
 def measure_node_times(
-    captured: CapturedStep, inputs: Sequence[torch.Tensor], *, warmup: int = 1, repeats: int = 3
+    captured: CapturedStep, inputs: Sequence[torch.Tensor], *, warmup: int = 1, repeats: int = 3,
+    clock: HostClock | None = None,
 ) -> dict[fx.Node, float]:
     """Milliseconds of every node of the captured graph (the minimum over ``repeats`` runs on copies of ``inputs``).
 
     The minimum, not the median: on a shared machine a busy moment only ever
     makes a node slower, and one skewed profile would bias the whole plan.
+    ``clock`` (default: the inputs' device's, ``deft_compile.timing.clock_for``) brackets each node: the host clock on a
+    CPU, CUDA events around the node's kernels on a GPU.
     """
+    if clock is None:
+        device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
+        clock = clock_for(device)
     rng = torch.get_rng_state()
+    cuda_rng = _cuda_rng_states()
     interpreter = _TimingInterpreter(captured.graph_module)
+    samples: dict[fx.Node, list[float]] = {}
     try:
         with torch.no_grad():
             for run in range(warmup + repeats):
                 copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]
-                if run == warmup:
-                    interpreter.times.clear()
-                interpreter.run(*copies)
+                interpreter.order = []
+
+                def one_run(timed: Callable[[Callable[[], Any]], Any]) -> None:
+                    interpreter.timed = timed
+                    try:
+                        interpreter.run(*copies)
+                    finally:
+                        interpreter.timed = None
+
+                spans = clock.time_nodes(one_run)
+                if run >= warmup:
+                    for node, ms in zip(interpreter.order, resolve_ms(spans)):
+                        samples.setdefault(node, []).append(ms)
     finally:
         torch.set_rng_state(rng)
-    return {node: min(samples) for node, samples in interpreter.times.items()}
+        _restore_cuda_rng_states(cuda_rng)
+    return {node: min(values) for node, values in samples.items()}
+
+
+def _cuda_rng_states() -> list[torch.Tensor] | None:
+    """The CUDA generators' states where CUDA is initialised (the profiling runs draw from them too)."""
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def _restore_cuda_rng_states(states: list[torch.Tensor] | None) -> None:
+    if states is not None:
+        torch.cuda.set_rng_state_all(states)
 
 
 def attribute_times(
@@ -150,21 +180,23 @@ def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, 
 
     Each repeat starts after a barrier and its time is the slowest rank's (a MAX
     all-reduce of the per-rank times), so all ranks return the same numbers and a
-    rank that arrived late cannot make the link look fast.
+    rank that arrived late cannot make the link look fast. The tensor lives where the group's collectives
+    take it (``comm_device``: the GPU for NCCL) and is timed with that device's clock.
     """
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
+    device = comm_device(group)
+    clock = clock_for(device)
     results = []
     for size in sizes_bytes:
-        tensor = torch.ones(max(1, int(size) // 4), dtype=torch.float32)
+        tensor = torch.ones(max(1, int(size) // 4), dtype=torch.float32, device=device)
         for _ in range(warmup):
             dist.all_reduce(tensor, group=group)
-        times = torch.zeros(repeats, dtype=torch.float64)
-        for index in range(repeats):
+        samples = []
+        for _ in range(repeats):
             dist.barrier(group=group)
-            started = time.perf_counter()
-            dist.all_reduce(tensor, group=group)
-            times[index] = (time.perf_counter() - started) * 1e3
+            samples.append(clock.time_call(lambda: dist.all_reduce(tensor, group=group))[1])
+        times = torch.tensor(samples, dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         results.append((tensor.numel() * 4, fast_mean(times.tolist())))
     return results
@@ -175,7 +207,7 @@ def measure_link(name: str, group: Any, repeats: int = 6) -> LinkCost:
     ``LINK_PROBE_BYTES``; α is what one more message adds to a queue of them (``measure_queued_message_ms``)
     when that is less than the fitted latency. The simulator queues messages on a link one after the other,
     while gloo runs a group's collectives on two threads, so back-to-back messages overlap their latencies:
-    with the single-message latency (1–3 ms on a shaped link here) a plan of 160 messages was predicted 72 %
+    with the single-message latency (1–3 ms on a shaped link) a plan of 160 messages was predicted 72 %
     too slow. Every rank must call it."""
     alpha, beta = fit_alpha_beta(measure_allreduce(group, LINK_PROBE_BYTES, repeats=repeats))
     queued = max(0.0, measure_queued_message_ms(group) - beta * 4)
@@ -186,40 +218,47 @@ def measure_queued_message_ms(group: Any, messages: int = 16, repeats: int = 3) 
     """Milliseconds per message when ``messages`` tiny all-reduces are launched back to back and then waited
     for: the marginal cost of a message in a queue, latency overlapped as the backend allows. Every rank must
     call it."""
-    tensors = [torch.ones(1) for _ in range(messages)]
+    device = comm_device(group)
+    tensors = [torch.ones(1, device=device) for _ in range(messages)]
 
-    def round_seconds() -> float:
-        started = time.perf_counter()
+    def one_round() -> None:
         works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
         for work in works:
             work.wait()
-        return time.perf_counter() - started
 
-    return _fastest_round_ms(round_seconds, group, repeats) / messages
+    return _fastest_round_ms(one_round, group, repeats) / messages
 
 
 def measure_message_cpu(group: Any, messages: int = 24, repeats: int = 3) -> float:
-    """The compute thread's own ms per collective, as the scheduled step runs it: ``cat.out`` of two tensors
+    """The compute side's own ms per collective, as the scheduled step runs it: ``cat.out`` of two tensors
     into a bucket, the in-place functional all-reduce that launches it, and later ``wait_tensor`` and
     ``split_with_sizes``. Messages are launched back to back, then waited for once the link is surely done
-    with them, so the time is the thread's, not the link's (the simulator charges the link with α and β).
-    Every rank must call it."""
+    with them, so the time is the compute side's, not the link's (the simulator charges the link with α and β).
+    On a CPU that is the step thread's time; on a GPU the compute stream's (events around the launches and
+    around the waits). Every rank must call it."""
     functional = torch.ops._c10d_functional
-    pieces = [torch.ones(1), torch.ones(1)]
-    buckets = [torch.empty(2) for _ in range(messages)]
+    device = comm_device(group)
+    clock = clock_for(device)
+    pieces = [torch.ones(1, device=device), torch.ones(1, device=device)]
+    buckets = [torch.empty(2, device=device) for _ in range(messages)]
     name = group.group_name
-
-    def round_seconds() -> float:
-        started = time.perf_counter()
+    best = math.inf
+    for index in range(repeats + 1):
+        dist.barrier(group=group)
+        clock.synchronize()
+        started = clock.mark()
         launched = [functional.all_reduce_(torch.cat(pieces, out=bucket), "sum", name) for bucket in buckets]
-        launch_s = time.perf_counter() - started
+        launch = clock.since(started)
+        clock.synchronize()
         dist.barrier(group=group)  # all messages have finished on every rank by now
-        started = time.perf_counter()
+        started = clock.mark()
         for out in launched:
             torch.split(functional.wait_tensor(out), [1, 1])
-        return launch_s + time.perf_counter() - started
-
-    return _fastest_round_ms(round_seconds, group, repeats) / messages
+        waits = clock.since(started)
+        clock.synchronize()
+        if index > 0:  # the first round warms the path up
+            best = min(best, sum(resolve_ms([launch, waits])))
+    return _slowest_rank_ms(best, group) / messages
 
 
 #: the message the contention probe all-reduces (at most): long enough on a slow link to time, short on a fast one
@@ -232,62 +271,56 @@ def measure_contention(group: Any, nbytes: int, repeats: int = 3) -> float:
     """``Profile.contention``: the share of an all-reduce's time that slows compute running beside it.
 
     Why: on a CPU host gloo's copies, reductions and the loopback's kernel work take cores the compute
-    needs, so communication hidden behind compute is not free (measured in the suite: the floor's step with
-    the whole gradient all-reduced beside it took 1.53x the floor on GPT-2, with the link busy 1.07x the
-    floor). On an accelerator it is about 0; here the probe read 0.55-0.91 in normal mode and 0.10-0.24 in
-    ``--emulate-accelerator``, where gloo's threads have a core of their own. How: a loop of 128x128 matmuls sized to about twice the all-reduce's time runs alone and with
-    one all-reduce of ``nbytes`` (at most ``CONTENTION_PROBE_BYTES``) launched before it and waited for after
-    it, which it then overlaps completely: (with - alone) / all-reduce, the fastest of ``repeats`` rounds of
-    each, the slowest rank's, clipped to [0, 1]. An all-reduce under ``CONTENTION_MIN_COMM_MS`` cannot be told
-    from noise: 0. Every rank must call it."""
-    buffer = torch.zeros(max(1, min(nbytes, CONTENTION_PROBE_BYTES) // 4))
-
-    def allreduce_seconds() -> float:
-        started = time.perf_counter()
-        dist.all_reduce(buffer, group=group)
-        return time.perf_counter() - started
-
-    comm_ms = _fastest_round_ms(allreduce_seconds, group, repeats)
+    needs, so communication hidden behind compute is not free (the floor's step with the whole gradient
+    all-reduced beside it takes about 1.5x the floor on GPT-2). On an accelerator it is about 0; on a CPU host
+    the probe reads 0.55-0.91 in normal mode and 0.10-0.24 in accelerator emulation, where gloo's threads have
+    a core of their own. How: a loop of 128x128 matmuls (on the group's device) sized to about twice the
+    all-reduce's time runs alone and with one all-reduce of ``nbytes`` (at most ``CONTENTION_PROBE_BYTES``)
+    launched before it and waited for after it, which it then overlaps completely: (with - alone) / all-reduce,
+    the fastest of ``repeats`` rounds of each, the slowest rank's, clipped to [0, 1]. An all-reduce under
+    ``CONTENTION_MIN_COMM_MS`` cannot be told from noise: 0. Every rank must call it."""
+    device = comm_device(group)
+    clock = clock_for(device)
+    buffer = torch.zeros(max(1, min(nbytes, CONTENTION_PROBE_BYTES) // 4), device=device)
+    comm_ms = _fastest_round_ms(lambda: dist.all_reduce(buffer, group=group), group, repeats)
     if comm_ms < CONTENTION_MIN_COMM_MS:
         return 0.0
-    matrix = torch.randn(128, 128)
-    started = time.perf_counter()
-    for _ in range(20):
-        torch.mm(matrix, matrix)
-    per_mm_ms = max(1e-6, (time.perf_counter() - started) * 1e3 / 20)
-    count = torch.tensor([math.ceil(2.0 * comm_ms / per_mm_ms)], dtype=torch.float64)
+    matrix = torch.randn(128, 128, device=device)
+    per_mm_ms = max(1e-6, clock.time_call(lambda: [torch.mm(matrix, matrix) for _ in range(20)])[1] / 20)
+    count = torch.tensor([math.ceil(2.0 * comm_ms / per_mm_ms)], dtype=torch.float64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)  # every rank runs the same loop
     matmuls = int(count.item())
 
-    def compute_seconds() -> float:
-        started = time.perf_counter()
+    def compute() -> None:
         for _ in range(matmuls):
             torch.mm(matrix, matrix)
-        return time.perf_counter() - started
 
-    def overlapped_seconds() -> float:
-        started = time.perf_counter()
+    def overlapped() -> None:
         work = dist.all_reduce(buffer, group=group, async_op=True)
-        for _ in range(matmuls):
-            torch.mm(matrix, matrix)
+        compute()
         work.wait()
-        return time.perf_counter() - started
 
-    alone_ms = _fastest_round_ms(compute_seconds, group, repeats)
-    overlapped_ms = _fastest_round_ms(overlapped_seconds, group, repeats)
+    alone_ms = _fastest_round_ms(compute, group, repeats)
+    overlapped_ms = _fastest_round_ms(overlapped, group, repeats)
     return min(1.0, max(0.0, (overlapped_ms - alone_ms) / comm_ms))
 
 
-def _fastest_round_ms(round_seconds: Callable[[], float], group: Any, repeats: int) -> float:
-    """Milliseconds of the fastest of ``repeats`` rounds (noise only adds time), each after a barrier, after one
-    warm-up round; the slowest rank's, so every rank gets the same number."""
+def _fastest_round_ms(one_round: Callable[[], Any], group: Any, repeats: int) -> float:
+    """Milliseconds of the fastest of ``repeats`` rounds of ``one_round`` (noise only adds time), each after a
+    barrier, after one warm-up round, timed with the group's device clock (``Clock.time_call``); the slowest
+    rank's, so every rank gets the same number."""
+    clock = clock_for(comm_device(group))
     best = math.inf
     for index in range(repeats + 1):
         dist.barrier(group=group)
-        seconds = round_seconds()
+        _, ms = clock.time_call(one_round)
         if index > 0:  # the first round warms the path up
-            best = min(best, seconds)
-    slowest = torch.tensor([best * 1e3], dtype=torch.float64)
+            best = min(best, ms)
+    return _slowest_rank_ms(best, group)
+
+
+def _slowest_rank_ms(ms: float, group: Any) -> float:
+    slowest = torch.tensor([ms], dtype=torch.float64, device=comm_device(group))
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest.item())
 

@@ -35,6 +35,7 @@ from deft_compile.preserver.decisions import Preserver, PreserverEvent
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
 from deft_compile.preserver.staleness import same_batch_gradient_change, update_metric
+from deft_compile.timing import comm_device
 
 
 #: minibatches (the last kept ones) over which the paired replay's arms are compared
@@ -232,7 +233,7 @@ class PreserverMonitor:
         return event
 
     def _all_rank_mean(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64, device=comm_device(self.step.control_group))
         dist.all_reduce(tensor, group=self.step.control_group)
         return (tensor / self.step.world_size).tolist()
 

@@ -90,6 +90,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from deft_compile.planner.solvers.hybrid import PRIORITY_SOLVERS
+from deft_compile.timing import Elapsed, comm_device, resolve_ms
 
 log = logging.getLogger("deft_compile")
 
@@ -543,7 +544,7 @@ class Duel:
     order: list[int]  # which plan each block runs: 0 1 1 0 0 1 ...
     block: int = 0
     steps: int = 0  # steps run in the current block, the unmeasured first one included
-    times: list[float] = field(default_factory=list)  # measured step times of the current block
+    times: list[Elapsed] = field(default_factory=list)  # measured step times of the current block
     cold: list[bool] = field(default_factory=list)  # per measured step: it ran a graph cold (left out)
     medians: list[float] = field(default_factory=list)  # agreed block medians, in block order
     block_steps: int = 1  # measured steps per block (``duel_steps``, or more for short steps: ``min_window_ms``)
@@ -602,7 +603,7 @@ class ClosedLoop:
         self._expect: str | None = None
         self._switches = 0  # the step's ``plan_switches`` as of the loop's own last switch (or its first step)
         self._since_change = 0
-        self._times: list[float] = []
+        self._times: list[Elapsed] = []  # the current window's steps, read when it completes
         self._cold: list[bool] = []  # per entry of _times: the step ran a graph cold
         self._cpu: list[float] = []  # per entry of _times: the step thread's CPU ms (none when not given)
         self._queued: list[float] = []  # per entry of _times: the step thread's run-queue ms (none when not given)
@@ -633,9 +634,10 @@ class ClosedLoop:
             options = {**options, "synchronous_schedule": self.priority_schedule}
         return options
 
-    def after_step(self, step, seconds: float, measurable: bool = True, cpu_seconds: float | None = None,
+    def after_step(self, step, elapsed: Elapsed, measurable: bool = True, cpu_seconds: float | None = None,
                    run_queue_seconds: float | None = None) -> None:
-        """One step of ``step.plan`` took ``seconds``; ``measurable=False`` if it ran a graph cold (its time is
+        """One step of ``step.plan`` took ``elapsed`` (on the step's device clock, ``deft_compile.timing``: read when a
+        window or a duel's block completes, so a GPU is synchronised once per window); ``measurable=False`` if it ran a graph cold (its time is
         the compiler's, not the plan's: counted in the window, left out of the plan's time). ``cpu_seconds``: the
         step thread's CPU time in it (``time.thread_time``), which bounds the refined compute (``compute_floor``);
         ``run_queue_seconds``: the time the step thread was ready to run while another thread held its core
@@ -663,15 +665,15 @@ class ClosedLoop:
             return
         extra = self.inject(step.plan) if self.inject is not None else 0.0
         if self.state == "duel":
-            self._duel_step(step, seconds * 1e3 + extra, not measurable)
+            self._duel_step(step, elapsed.plus(extra), not measurable)
             return
         if self.state == "settled":
-            self._recheck_step(step, seconds * 1e3 + extra, not measurable)
+            self._recheck_step(step, elapsed.plus(extra), not measurable)
             return
         self._since_change += 1
         if self._since_change <= self.config.warmup_steps:
             return
-        measured = self._window_step(step, seconds * 1e3 + extra, not measurable,
+        measured = self._window_step(step, elapsed.plus(extra), not measurable,
                                      None if cpu_seconds is None else cpu_seconds * 1e3,
                                      None if run_queue_seconds is None else run_queue_seconds * 1e3)
         if measured is None:
@@ -695,7 +697,7 @@ class ClosedLoop:
             self._kinds[key] = _is_synchronous(plan)
         return self._kinds[key]
 
-    def _window_step(self, step, ms: float, cold: bool, cpu_ms: float | None = None,
+    def _window_step(self, step, ms: Elapsed, cold: bool, cpu_ms: float | None = None,
                      queue_ms: float | None = None) -> float | None:
         """Add one step to the current window; the plan's agreed time once the window is complete, else None.
         With the step thread's CPU ms (run-queue ms) given for every step of the window, their agreed value (the
@@ -713,7 +715,7 @@ class ClosedLoop:
         period = max_period(step.plan)
         threads = {name: samples for name, samples in (("cpu", self._cpu), ("queue", self._queued))
                    if len(samples) == len(self._times)}
-        agreed = self._agree(step, plan_step_ms(self._times, period, self._cold),
+        agreed = self._agree(step, plan_step_ms(resolve_ms(self._times), period, self._cold),
                              *(plan_step_ms(samples, period, self._cold) for samples in threads.values()))
         measured, thread_ms = agreed[0], dict(zip(threads, agreed[1:]))
         # the agreed time says whether the window spans enough time (the same on every rank); asked again at the
@@ -731,7 +733,7 @@ class ClosedLoop:
             self.run_queue[step.plan.hash()] = thread_ms["queue"]
         return measured
 
-    def _recheck_step(self, step, ms: float, cold: bool) -> None:
+    def _recheck_step(self, step, ms: Elapsed, cold: bool) -> None:
         """Settled on a plan with delays or periods: every ``recheck_every`` steps, time one window of it; if it
         runs more than ``recheck_margin`` slower than when it was chosen, duel it against the fastest
         synchronous plan again. Why: the choice was made under the load of that moment (another job on the host,
@@ -761,7 +763,7 @@ class ClosedLoop:
         import torch
         import torch.distributed as dist
 
-        tensor = torch.tensor(values, dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64, device=comm_device(step.control_group))
         # on the control group: on the data-parallel group this would wait for the gradients still in flight
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=step.control_group)
         return tensor.tolist()
@@ -1041,7 +1043,7 @@ class ClosedLoop:
         if self.duel.current.hash() != step.plan.hash():
             self._switch(step, self.duel.current, "closed loop duel", record=False)
 
-    def _duel_step(self, step, ms: float, cold: bool = False) -> None:
+    def _duel_step(self, step, ms: Elapsed, cold: bool = False) -> None:
         duel = self.duel
         duel.steps += 1
         if duel.steps == 1:  # the step after a switch: a new graph, delayed items without pending gradients
@@ -1051,7 +1053,7 @@ class ClosedLoop:
         period = max_period(step.plan)
         if len(duel.times) < period * math.ceil(duel.block_steps / period):
             return
-        duel.medians.append(self._agree(step, plan_step_ms(duel.times, period, duel.cold))[0])
+        duel.medians.append(self._agree(step, plan_step_ms(resolve_ms(duel.times), period, duel.cold))[0])
         duel.block, duel.steps, duel.times, duel.cold = duel.block + 1, 0, [], []
         if duel.block == len(duel.order):
             ratios = duel.ratios()  # agreed medians: every rank extends alike

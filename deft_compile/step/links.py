@@ -66,7 +66,7 @@ def _create_link_backend(backend_options: Any, pg_options: Any) -> Any:
 
 def _register_link_backend() -> None:
     if _LINK_BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(_LINK_BACKEND, _create_link_backend, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(_LINK_BACKEND, _create_link_backend, extended_api=True, devices=["cpu", "cuda"])
 
 
 def gloo_device_options(interface: str, threads: int = 2) -> Any:

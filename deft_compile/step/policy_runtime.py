@@ -22,6 +22,7 @@ from deft_compile.planner.solvers import dssync_partition
 from deft_compile.step.distributed import average_tensors
 from deft_compile.tools.emulation import new_group
 from deft_compile.step.pipeline import CommGroup
+from deft_compile.timing import comm_device
 
 log = logging.getLogger("deft_compile")
 
@@ -126,7 +127,9 @@ class DLCPRuntime(PolicyRuntime):
         moves the weights), so such residuals are forgotten; ranks agree through one all-reduce of flags."""
         carry = step.carry
         keys = sorted(carry)
-        nonzero = torch.tensor([float(bool(carry[key].count_nonzero())) for key in keys], dtype=torch.float64)
+        device = comm_device(step.process_group) if step.process_group is not None else None
+        nonzero = torch.tensor([float(bool(carry[key].count_nonzero())) for key in keys], dtype=torch.float64,
+                               device=device)
         if step.process_group is not None and keys:
             dist.all_reduce(nonzero, op=dist.ReduceOp.MAX, group=step.process_group)
         for key, flag in zip(keys, nonzero.tolist()):

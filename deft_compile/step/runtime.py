@@ -56,6 +56,7 @@ from deft_compile.planner.solvers import POLICIES, solve, solve_wfbp
 from deft_compile.step.policy_runtime import PolicyRuntime, runtime_for
 from deft_compile.step.closed_loop import ClosedLoop
 from deft_compile.step.thread_clock import ThreadClock
+from deft_compile.timing import clock_for
 
 log = logging.getLogger("deft_compile")
 
@@ -99,6 +100,7 @@ class CompiledStep:
         # compute, only where it runs the kernels itself (closed_loop.compute_floor, closed_loop.measured_contention)
         self._cpu_timed = device.type == "cpu"
         self._thread_clock = ThreadClock()
+        self.clock = clock_for(device)  # the step's device clock (deft_compile.timing): events on a GPU, the host's on a CPU
         self.last_grad_norm: torch.Tensor | None = None  # total gradient norm of the latest clipped update
         self.last_update_skipped = False  # loss scaling found an inf/NaN in the latest update and skipped it
         self.last_call_updated = False  # the last call applied an optimizer update (False while accumulating)
@@ -228,6 +230,7 @@ class CompiledStep:
             self._monitor.before_step()
         cold_runs = self.lowering.cold_runs
         started = time.perf_counter()
+        mark = self.clock.mark() if self.closed_loop is not None else None
         clocked = self.closed_loop is not None and self._cpu_timed  # two reads of /proc, about 16 µs: only if used
         if clocked:
             self._thread_clock.start()
@@ -241,13 +244,14 @@ class CompiledStep:
         self.step_count += 1
         # the plan's own time: without the Preserver's measurements (they cost the same whichever plan runs and
         # are priced by the Preserver itself), and not a step that ran a graph cold (compiling, or its first run)
+        elapsed = self.clock.since(mark) if mark is not None else None
         seconds = time.perf_counter() - started
         cpu_seconds, queue_seconds = self._thread_clock.stop() if clocked else (None, None)
         measurable = self.lowering.cold_runs == cold_runs
         if self._monitor is not None:
             self._monitor.after_step(outputs, args, kwargs, seconds if measurable else None)
         if self.closed_loop is not None:  # measured plans, refined profile (deft_compile.step.closed_loop)
-            self.closed_loop.after_step(self, seconds, measurable=measurable, cpu_seconds=cpu_seconds,
+            self.closed_loop.after_step(self, elapsed, measurable=measurable, cpu_seconds=cpu_seconds,
                                         run_queue_seconds=queue_seconds)
         return outputs
 
