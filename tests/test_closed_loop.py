@@ -301,7 +301,7 @@ def test_the_prior_mends_the_degenerate_fit_recorded_in_session_13():
     """The recorded GPT-2 launch of docs/BENCHMARKS.md, session 13 (launch 2): its three synchronous plans, re-fitted
     from the results file by ``benchmarks/refit_closed_loop.py``. Without the prior the fit takes compute 0.18x (what
     the run did); with it the compute stays near the profile's, at no larger miss."""
-    base, measured, recorded, recorded_plans = _recorded_launch("suite-inductor-transformers-s13.json",
+    base, measured, recorded, recorded_plans = _recorded_launch("recorded/degenerate-fit-transformers.json",
                                                                 "gpt2-small-hf", 2)[:4]
     assert len(measured) == recorded_plans == 3 and recorded[0] < 0.2, recorded
 
@@ -350,7 +350,7 @@ def test_the_compute_floor_mends_the_degenerate_fit_recorded_in_session_15():
     slowness and the miss drops, where unbounded it did not need to."""
     from deft_compile.planner.simulator import simulate
 
-    base, measured, recorded, _plans, run = _recorded_launch("suite-inductor-cnn-s15.json", "resnet50", 0)
+    base, measured, recorded, _plans, run = _recorded_launch("recorded/degenerate-fit-cnn.json", "resnet50", 0)
     assert recorded[0] < 0.3, recorded
 
     def parts(plan, a, b):

@@ -369,7 +369,7 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
 #: the least per-byte link factor ``refine_from_threads`` may fit. Lower than ``MIN_LINK_FACTOR``: there the
 #: compute is measured, not fitted, so the link can no longer trade against it, and the profiler's per-byte cost
 #: comes from messages of at most 4 MiB while DDP's buckets hold 25 MiB: on the suite's ResNet-50 in normal mode
-#: the fit took 0.75x with its three plans reproduced within 0.3 % (benchmarks/results/s17-diag).
+#: the fit took 0.75x with its three plans reproduced within 0.3 % (benchmarks/results/clock-probes).
 MIN_MEASURED_LINK_FACTOR = 0.5
 
 
