@@ -1,4 +1,4 @@
-"""Issue 5: does DeFT train as well as DDP on real data? (2 gloo workers, same samples, fixed seeds)
+"""Does DeFT train as well as DDP on real data? (2 gloo workers, same samples, fixed seeds)
 
     python benchmarks/convergence.py [--seeds 0 1 2] [--tasks digits charlm] [--out docs/img]
 

@@ -1,4 +1,4 @@
-"""Issue 8: DS-Sync and DLCP beside DDP and DeFT, 4 gloo workers: accuracy on digits, speed on a shaped link.
+"""DS-Sync and DLCP beside DDP and DeFT, 4 gloo workers: accuracy on digits, speed on a shaped link.
 
     python benchmarks/dssync_dlcp.py [--parts digits shaped] [--seeds 0 1 2] [--out docs/img]   # shaped: root
     python benchmarks/dssync_dlcp.py --quick --out /tmp/dd                                     # seconds, for tests

@@ -1,6 +1,6 @@
 """Planner speed: solve each policy and simulate one iteration for a 500-bucket profile.
 
-Targets (issue 3): solving each policy <= 50 ms, simulating one iteration <= 5 ms.
+Targets: solving each policy <= 50 ms, simulating one iteration <= 5 ms.
 Run: ``python benchmarks/planner_speed.py`` (add ``--buckets N``/``--repeat R``).
 The profile has N parameters of 1-4 MiB with DDP limits of 1 MiB, so each
 parameter is its own DDP bucket (N buckets); compute and link costs are drawn

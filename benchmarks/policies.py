@@ -1,4 +1,4 @@
-"""Every scheduling policy on a real slow link, against torch DDP and the no-communication floor (issue 4).
+"""Every scheduling policy on a real slow link, against torch DDP and the no-communication floor.
 
     sudo python benchmarks/policies.py [--rate 1gbit] [--rounds 3] [--block 10] [--json out.json] [--trace-dir DIR]
 

@@ -5,12 +5,12 @@ fitted and every measured plan's time). This script undoes the recorded factors 
 re-solves the synchronous plans the loop timed (DDP's buckets, ByteScheduler's, US-Byte's; matched by plan hash),
 and fits them again with ``refine_scales`` under four settings: γ held at the profile's or fitted, each with no
 prior (``prior_weight=0``) and with ``PRIOR_WEIGHT``; where the launch recorded the compute floor it fitted
-under (``min_compute``, from session 16 on), both γ settings with it; and where it recorded the step thread's
-run-queue delays (session 17 on), ``refine_from_threads``: compute and contention measured, the link's per-byte
-and per-message factors fitted. Each plan's predicted time on that last refinement is printed beside its measured
-one. What docs/BENCHMARKS.md, sessions 13 and 17, quote.
+under (``min_compute``), both γ settings with it; and where it recorded the step thread's run-queue delays,
+``refine_from_threads``: compute and contention measured, the link's per-byte and per-message factors fitted.
+Each plan's predicted time on that last refinement is printed beside its measured one (docs/PLANNER.md and
+benchmarks/results/clock-probes/ quote these fits).
 
-    python benchmarks/refit_closed_loop.py benchmarks/results/suite-inductor-transformers-s13.json
+    python benchmarks/refit_closed_loop.py benchmarks/results/suite-inductor-transformers.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 5: a setting where staleness hurts, and what the Preserver does about it.
+"""A setting where staleness hurts, and what the Preserver does about it.
 
     python benchmarks/staleness.py [--lr 0.1] [--seeds 0 1] [--steps 300] [--out docs/img]
 

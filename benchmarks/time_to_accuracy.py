@@ -1,4 +1,4 @@
-"""Issue 16: the time to DDP's final validation loss, DDP vs deft, on a shaped link (docs/TIME_TO_ACCURACY.md).
+"""The time to DDP's final validation loss, DDP vs deft, on a shaped link (docs/TIME_TO_ACCURACY.md).
 
     sudo python benchmarks/time_to_accuracy.py                        # calibrated to coverage rate ~1, seeds 0 1
     python benchmarks/time_to_accuracy.py --bandwidth none --size tiny --steps 40 --docs '' --out /tmp/tta

@@ -20,85 +20,62 @@ class DeftConfig(BucketSizes):
     """Knobs of ``deft_compile``; the defaults reproduce PyTorch DDP's behaviour.
 
     Attributes:
-        bucket_cap_mb: size cap of a gradient bucket (DDP's ``bucket_cap_mb``).
-        first_bucket_mb: size cap of the first bucket, small so communication
-            starts early in backward (DDP uses 1 MiB).
-        broadcast_buffers: broadcast rank 0's buffers (BatchNorm running stats)
-            before every forward, as DDP does by default. The broadcast runs on
-            a process group of its own (same ranks and backend), so it does not
-            queue behind all-reduces still in flight from the previous step.
-        check_consistency: before the first step, compare parameter names,
-            shapes, dtypes and the captured graph across ranks and raise
-            ``ModelMismatchError`` if they differ.
-        peer_check_timeout_s: after a failed collective, how long survivors wait
-            for every rank to report in through the store before naming the
-            ranks that did not.
-        max_cached_graphs: how many captured graphs (one per input shape, module
-            mode and optimizer hyper-parameters) are kept before the oldest is
-            dropped.
-        plan_options: extra keyword options for the policy's solver (see
-            ``deft_compile.planner.solvers``), e.g. ``{"max_staleness": 0}`` for DeFT.
-        preserver: thresholds of the Preserver, which watches the convergence
-            cost of delays and update periods while training and re-plans more
-            conservatively when it is too high (``policy="deft"`` only; on by
-            default; ``PreserverConfig(enabled=False)`` turns it off).
-        always_profile: measure the step on the first call even for policies
-            whose plan needs no times (``wfbp``, ``dssync``), so ``step.profile``
-            and the plan's predicted iteration time are real numbers. Without
-            it those policies skip the measurement and predict 0 ms.
-        links: extra communication channels besides the process group, e.g.
-            ``("gloo:eth1",)`` or ``("gloo",)`` under NCCL (see
-            ``deft_compile.step.links``). The profiler measures each; DeFT assigns
-            buckets or bucket shares to them (a multiple knapsack).
-        max_grad_norm: clip the gradient vector each update applies to this global
-            norm, as ``torch.nn.utils.clip_grad_norm_`` before ``optimizer.step()``
-            (None: no clipping). The norm is ``step.last_grad_norm``. With delayed or
-            periodic buckets the vector is what that update applies: fresh buckets
-            and arrived delayed ones together (docs/POLICIES.md).
-        norm_type: the norm's order (``float("inf")`` for the max norm).
-        accumulation_steps: N calls of the step make one optimizer update, whose
-            gradient is the mean over the N micro-batches and all ranks (DDP with
-            ``no_sync()`` on the first N-1 and the loss divided by N); gradients are
-            communicated once per update.
-        loss_scale: ``"dynamic"`` for fp16 dynamic loss scaling inside the step with
-            ``torch.amp.GradScaler``'s defaults and rules, or a
-            ``torch.amp.GradScaler`` whose settings and scale tensors are used (its
-            ``get_scale()`` follows the step). An update whose gradients hold an
-            inf or NaN is skipped on every rank and the scale backs off.
-        closed_loop: closed-loop planning (``deft_compile.step.closed_loop``):
-            measure the plan, refine the profile when the simulator missed by
-            more than a tolerance, try the synchronous and re-solved plans, keep
-            the fastest measured. On by default for ``policy="deft"``;
-            ``ClosedLoopConfig(enabled=False)`` turns it off.
-        compiler: what runs the rewritten step graph: ``"inductor"`` (default;
-            collectives and waits stay where the plan put them, see
-            ``deft_compile.step.lowering``) or ``"aten"`` (the graph's aten ops
-            called from Python; bit-identical to DDP with SGD). The default
-            comes from ``$DEFT_COMPILER`` when set (the test suite sets ``aten``).
-        delayed_update: what a delayed bucket (d=1) applies. ``"averaged"``
-            (default, DESIGN.md §4): the averaged gradient of the previous step,
-            w_{t+1} = U(w_t, ḡ_{t-1}); replicas stay identical. ``"local"``
-            (opt-in): this step's local gradient plus the correction of the
-            previous one to its average, U(w_t, g_t + ḡ_{t-1} − g_{t-1}), with
-            the same communication schedule; replicas differ between flushes by
-            what one step's local gradients differ (docs/POLICIES.md), and
-            ``flush()`` and plan switches average those parameters and their
-            optimizer state across ranks, so they are identical again (flush on
-            every rank before saving a checkpoint). Not with
-            ``accumulation_steps`` or ``loss_scale``.
-        contention: the measured profile's ``Profile.contention``, the share of a
-            collective's time that slows compute beside it (docs/PLANNER.md). 0
-            (default): an accelerator's. A number in [0, 1]: your host's. None:
-            measure it on the first step (``planner.profiler.measure_contention``).
-            Off by default because on a shared CPU host the probe is noisy: one
-            model on one link measured 0.09 to 0.75 across launches, so plans
-            followed the noise; with it on, the Preserver declined trades whose
-            predicted gain it cut (docs/BENCHMARKS.md, session 11). A profile you
-            give keeps its own. The closed loop's refinement replaces it: on a
-            CPU host it measures it from the step thread's run-queue delay
-            (``ClosedLoopConfig.measure_contention``, on by default), and
-            ``ClosedLoopConfig(fit_contention=True)`` fits it to the measured
-            plans' times where that cannot be read (opt-in).
+        bucket_cap_mb: size cap of a gradient bucket (DDP's ``bucket_cap_mb``). 25 MiB, DDP's default, so the
+            synchronous plan is DDP's.
+        first_bucket_mb: size cap of the first bucket. 1 MiB, DDP's, so communication starts early in backward.
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm running stats) before every forward, on a
+            process group of its own so it does not queue behind all-reduces still in flight. On because DDP
+            does it by default.
+        check_consistency: before the first step, compare parameter names, shapes, dtypes and the captured graph
+            across ranks and raise ``ModelMismatchError`` if they differ. On because ranks that disagree would
+            otherwise hang or train different models silently.
+        peer_check_timeout_s: after a failed collective, how long survivors wait for every rank to report in
+            through the store before naming the ranks that did not. 5 s is long enough for a live rank to
+            answer and short enough not to delay the error much.
+        max_cached_graphs: how many captured graphs (one per input shape, module mode and optimizer
+            hyper-parameters) are kept before the oldest is dropped. 8 covers train/eval and a few shapes
+            without holding many compiled graphs in memory.
+        plan_options: extra keyword options for the policy's solver (``deft_compile.planner.solvers``), e.g.
+            ``{"max_staleness": 0}`` for DeFT. Empty: each solver's own defaults.
+        links: extra communication channels besides the process group, e.g. ``("gloo:eth1",)`` or
+            ``("gloo",)`` under NCCL (``deft_compile.step.links``), measured by the profiler and shared out by
+            DeFT. Empty because a second channel needs a second network path to pay.
+        always_profile: measure the step on the first call even for policies whose plan needs no times
+            (``wfbp``, ``dssync``), so ``step.profile`` and the predicted iteration time are real numbers. Off
+            because those policies' plans do not use it; they predict 0 ms.
+        preserver: thresholds of the Preserver, which watches the convergence cost of delays and update
+            periods while training and re-plans more conservatively when it is too high (``policy="deft"``
+            only; ``PreserverConfig(enabled=False)`` turns it off). On because delays can cost convergence that
+            their speed does not repay (docs/POLICIES.md).
+        max_grad_norm: clip the gradient vector each update applies to this global norm, as
+            ``torch.nn.utils.clip_grad_norm_`` before ``optimizer.step()``; the norm is ``step.last_grad_norm``
+            (with delays: fresh and arrived delayed buckets together, docs/POLICIES.md). None: no clipping, as
+            DDP.
+        norm_type: the norm's order (``float("inf")`` for the max norm). 2, ``clip_grad_norm_``'s default.
+        accumulation_steps: N calls of the step make one optimizer update, whose gradient is the mean over the N
+            micro-batches and all ranks (DDP with ``no_sync()`` on the first N-1 and the loss divided by N),
+            communicated once per update. 1: one update per call, as DDP.
+        loss_scale: ``"dynamic"`` for fp16 dynamic loss scaling inside the step with ``torch.amp.GradScaler``'s
+            defaults and rules, or a ``torch.amp.GradScaler`` whose settings and scale tensors are used; an update
+            whose gradients hold an inf or NaN is skipped on every rank. None: no scaling, as DDP.
+        closed_loop: closed-loop planning (``deft_compile.step.closed_loop``): measure the plan, refine the
+            profile, try the synchronous and re-solved plans, keep the fastest measured. On for ``deft``,
+            ``bytescheduler`` and ``usbyte`` because a profile taken once on a few runs can be wrong for the
+            running step.
+        compiler: what runs the rewritten step graph: ``"inductor"`` (collectives and waits stay where the plan
+            put them, ``deft_compile.step.lowering``) or ``"aten"`` (the graph's aten ops called from Python;
+            bit-identical to DDP with SGD); ``$DEFT_COMPILER`` when set. Inductor by default because it runs
+            the step faster (0.77-0.93x eager on the suite's models).
+        delayed_update: what a delayed bucket (d=1) applies: ``"averaged"``, the averaged gradient of the
+            previous step, w_{t+1} = U(w_t, ḡ_{t-1}) (DESIGN.md §4); or ``"local"``, this step's local gradient
+            plus the correction of the previous one to its average, replicas equal again after ``flush()`` (call
+            it on every rank before a checkpoint; docs/POLICIES.md; not with ``accumulation_steps`` or
+            ``loss_scale``). ``"averaged"`` because its replicas stay identical.
+        contention: the measured profile's ``Profile.contention``, the share of a collective's time that slows
+            compute beside it (docs/PLANNER.md): a number in [0, 1], or None to measure it on the first step; a
+            profile you give keeps its own, and the closed loop's refinement replaces it. 0, an accelerator's,
+            because the first-step probe is noisy on a shared CPU host (0.09-0.75 across launches of one model
+            and link) and the closed loop measures it there from the step thread's run-queue delay.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB

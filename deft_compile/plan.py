@@ -1,4 +1,4 @@
-"""Old import path, kept for code written before the package was grouped: ``deft_compile.planner.plan``.
+"""Alias import path of ``deft_compile.planner.plan``.
 
 ``import deft_compile.plan`` gives the very module ``deft_compile.planner.plan`` (one module object, so
 classes and registries are shared); new code should import ``deft_compile.planner.plan``.

@@ -1,4 +1,4 @@
-"""Old import path, kept for code written before the package was grouped: ``deft_compile.planner.solvers``.
+"""Alias import path of ``deft_compile.planner.solvers``.
 
 ``import deft_compile.solvers`` gives the very module ``deft_compile.planner.solvers`` (one module object, so
 classes and registries are shared); new code should import ``deft_compile.planner.solvers``.

@@ -1,4 +1,4 @@
-"""The rewritten step writes each bucket once before its launch (issue 13).
+"""The rewritten step writes each bucket once before its launch.
 
 A functional ``all_reduce`` clones its input and ``cat`` + out-of-place ``mul``
 allocate two more buffers: three fresh copies of every bucket on the compute
@@ -164,8 +164,8 @@ def _carried_item_graph(local_first: bool = False) -> fx.GraphModule:
 
 def test_buffer_broadcast_is_done_before_a_delayed_bucket_is_launched():
     """gloo runs one group's collectives in order: a delayed bucket launched at the start of the step, ahead of
-    the BatchNorm buffer broadcast that the forward waits for at once, held the whole forward until the bucket
-    was through (issue 13: no overlap at all on models with buffers). The broadcast is launched and waited first."""
+    the BatchNorm buffer broadcast that the forward waits for at once, would hold the whole forward until the
+    bucket is through (no overlap at all on models with buffers). The broadcast is launched and waited first."""
     gm = _carried_item_graph()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     broadcasts = _calls(gm, BROADCAST_)  # one per buffer dtype

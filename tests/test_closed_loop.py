@@ -1,4 +1,4 @@
-"""Closed-loop planning (issue 13): measured plans, the synchronous candidate always tried, the fastest kept,
+"""Closed-loop planning: measured plans, the synchronous candidate always tried, the fastest kept,
 the final choice from interleaved rounds."""
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_refinement_recovers_the_contention_from_plans_that_overlap_differently(
 
 
 def test_refinement_takes_the_least_change_among_fits_that_explain_the_plans_equally():
-    """The shape of a GPT-2 launch in session 13: three synchronous plans measured within a few percent (the
+    """The shape of a GPT-2 launch of the suite: three synchronous plans measured within a few percent (the
     priority plans gain little over DDP's buckets because communicating beside the forward slows it; made here
     with contention 0.6 on the profile as measured). Without the prior the fit is free to explain that with a
     tiny compute and a slow link instead; with it (``PRIOR_WEIGHT``), it keeps the profile's factors and fits the
@@ -179,7 +179,8 @@ def test_a_later_replan_that_measures_slower_goes_back_to_synchronous():
 def test_delays_must_beat_the_fastest_synchronous_plan_a_priority_plan_included():
     """Times (injected): DDP's buckets 1000 ms, the plan with delays 700 ms, a priority plan 650 ms. The plan with
     delays beats DDP's buckets but not the priority plan, which has no staleness: it is dueled against the
-    priority plan, loses, and the priority plan runs (under session 8's rule, DDP's buckets only, it was kept)."""
+    priority plan, loses, and the priority plan runs (were DDP's buckets the only synchronous plan, it would be
+    kept)."""
     results = [r.value for r in run_local_workers(closed_loop_run, 2, (-300.0, 50, 0.0, 2, -350.0, 1000.0),
                                                   timeout_s=240)]
     for report in results:
@@ -297,11 +298,12 @@ def test_a_priority_policy_refines_its_profile_and_keeps_ddps_numbers(policy):
     assert results[0]["reasons"] == results[1]["reasons"]
 
 
-def test_the_prior_mends_the_degenerate_fit_recorded_in_session_13():
-    """The recorded GPT-2 launch of docs/BENCHMARKS.md, session 13 (launch 2): its three synchronous plans, re-fitted
-    from the results file by ``benchmarks/refit_closed_loop.py``. Without the prior the fit takes compute 0.18x (what
-    the run did); with it the compute stays near the profile's, at no larger miss."""
-    base, measured, recorded, recorded_plans = _recorded_launch("suite-inductor-transformers-s13.json",
+def test_the_prior_mends_a_recorded_degenerate_fit():
+    """A recorded GPT-2 launch (``benchmarks/results/recorded/degenerate-fit-transformers.json``, launch 2, fitted
+    without the prior): its three synchronous plans, re-fitted from the results file by
+    ``benchmarks/refit_closed_loop.py``. Without the prior the fit takes compute 0.18x (what the run recorded); with
+    it the compute stays near the profile's, at no larger miss."""
+    base, measured, recorded, recorded_plans = _recorded_launch("recorded/degenerate-fit-transformers.json",
                                                                 "gpt2-small-hf", 2)[:4]
     assert len(measured) == recorded_plans == 3 and recorded[0] < 0.2, recorded
 
@@ -341,16 +343,16 @@ def test_the_compute_floor_is_the_median_cpu_share_less_the_slack():
     assert compute_floor([], compute) == 0.0
 
 
-def test_the_compute_floor_mends_the_degenerate_fit_recorded_in_session_15():
-    """ResNet-50's launch 0 of docs/BENCHMARKS.md, session 15 (normal mode, Inductor): DDP's buckets measured 68.6 ms
-    and the priority plans 137 and 103 ms, which the fit explained with compute 0.23x and the link 1.87x (what the
-    run did: the Preserver then traded nothing). Bounded by what the compute thread is busy (here the no-
+def test_the_compute_floor_mends_a_recorded_degenerate_fit():
+    """ResNet-50's launch 0 of ``benchmarks/results/recorded/degenerate-fit-cnn.json`` (normal mode, Inductor, fitted
+    without the compute floor): DDP's buckets measured 68.6 ms and the priority plans 137 and 103 ms, which the fit
+    explained with compute 0.23x and the link 1.87x (what the run recorded: the Preserver then traded nothing). Bounded by what the compute thread is busy (here the no-
     communication floor's share of the profile's compute, 0.91x, less the slack: the run recorded no CPU time),
     the compute stays at the bound; with the contention fitted, contention then explains the priority plans'
     slowness and the miss drops, where unbounded it did not need to."""
     from deft_compile.planner.simulator import simulate
 
-    base, measured, recorded, _plans, run = _recorded_launch("suite-inductor-cnn-s15.json", "resnet50", 0)
+    base, measured, recorded, _plans, run = _recorded_launch("recorded/degenerate-fit-cnn.json", "resnet50", 0)
     assert recorded[0] < 0.3, recorded
 
     def parts(plan, a, b):
@@ -410,7 +412,7 @@ def _measured_refinement_case(model: str, link: float, latency: float):
 
 
 def test_refinement_from_the_step_threads_clocks_measures_compute_and_contention_and_fits_the_link():
-    """The shape of ResNet-50's launch in session 17 (normal mode): the priority plans are slow because their
+    """The shape of ResNet-50's clock probe (normal mode): the priority plans are slow because their
     communication beside the forward takes the compute's core (contention 0.5) and because their many small
     partitions pay more latency per message than the profiler's queue of tiny messages showed (3x), while DDP's
     few large buckets send faster per byte than the profiler's 4 MiB probes (0.8x). From the thread's CPU and
@@ -567,7 +569,7 @@ def test_a_duel_whose_rounds_disagree_runs_on_to_duel_max_rounds():
 
 @pytest.mark.parametrize("priority_ms, winner", [(30.0, "ddp-buckets"), (-100.0, "priority")])
 def test_a_priority_plan_close_to_ddps_buckets_must_win_a_duel_against_them(priority_ms, winner):
-    """The shape of the suite's transformer launches (session 15): DDP's buckets are measured first and the host
+    """The shape of the suite's transformer launches: DDP's buckets are measured first and the host
     gets faster (here 20 ms per step), so the priority plans measured later lead by 4-17 %, less than
     ``duel_margin``. Interleaved, the trend cancels: a priority plan truly 30 ms slower loses to DDP's buckets
     (chosen from the sequential numbers, it ran), one truly 100 ms faster wins. Plans with delays are 1 s slower."""
@@ -595,8 +597,7 @@ def test_a_step_back_to_the_plan_a_duels_synchronous_block_runs_ends_the_duel():
     """The plan with delays measures 1 s faster, and its duel against the synchronous plan would keep it. In the
     duel's synchronous block the Preserver steps back to synchronous (as when it prices the delays out): its
     options solve to the very plan that block runs, so no plan hash changes. The loop must still see the decision
-    and stay synchronous; it used to miss it and settle on the plan with delays at the duel's verdict (session 17's
-    ResNet-50 launches, docs/BENCHMARKS.md)."""
+    and stay synchronous, not settle on the plan with delays at the duel's verdict."""
     args = (-1000.0, 40, 0.0, 2, 30.0, 2000.0, 0.0, 0, 0.0, False, False, True)
     results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
     for report in results:

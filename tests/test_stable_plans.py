@@ -1,4 +1,4 @@
-"""Plans do not follow measurement noise (issue 13): quantised profiles and hysteresis. Pure: no processes."""
+"""Plans do not follow measurement noise: quantised profiles and hysteresis. Pure: no processes."""
 
 from __future__ import annotations
 

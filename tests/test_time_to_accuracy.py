@@ -1,4 +1,4 @@
-"""Issue 16's time-to-accuracy benchmark: one real end-to-end run (tiny GPT-2, 2 gloo workers, unshaped loopback,
+"""The time-to-accuracy benchmark: one real end-to-end run (tiny GPT-2, 2 gloo workers, unshaped loopback,
 a few steps; about 30-40 s) and unit tests of its analysis."""
 
 from __future__ import annotations

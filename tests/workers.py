@@ -1049,8 +1049,8 @@ def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     profile = profile if profile_given else None
     # An unreachable tolerance: the profile is never refined from this tiny model's noisy times, so the trades
-    # depend on the measured gradients alone (refined between two measurements, it made a second, different
-    # trade in 2 of 4 runs of the code before session 10). No priority candidates and no longer duels: whether a
+    # depend on the measured gradients alone (a profile refined between two measurements can make a second,
+    # different trade). No priority candidates and no longer duels: whether a
     # duel of synchronous plans runs, or a duel runs on, would follow this tiny model's noise, and with it the
     # steps at which the duel's blocks fall
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,

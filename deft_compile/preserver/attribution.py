@@ -3,7 +3,7 @@
 The Preserver's loss rules see a window mean rise above the best window. That is
 harm only if staleness caused it: a learning-rate schedule, a hard stretch of
 data or a memorizing model raises the loss of synchronous training just as much
-(session 6 measured such a spike, synchronous, on the benchmark's own workload).
+(the suite's VGG-16-BN on 8 random-label batches spikes so under synchronous training).
 Comparing with a *later* synchronous window cannot tell the two apart, because
 the loss moves between windows by itself. Nor can a replay that starts at the
 signal: by then the harm is in the weights, and synchronous steps from there do

@@ -3,9 +3,9 @@
 A paired replay (:mod:`deft_compile.preserver.attribution`) re-trains the steps
 since the best loss window twice, eagerly: with the staleness that ran and
 synchronously. Late in a long run that is a rounding error; early in one it can
-cost more than every step before it. Measured (docs/BENCHMARKS.md, "Suite,
-session 10"): a replay of 14 steps, twice, inside 12 timed steps put a VGG-16
-launch at 1.29x DDP while its schedule ran at 0.81x. So, like the staleness
+cost more than every step before it: a replay of 14 steps, twice, inside 12
+timed steps puts a VGG-16-BN launch of the suite at 1.29x DDP while its schedule
+runs at 0.81x (docs/POLICIES.md). So, like the staleness
 probes (``probe_budget``), the attribution has a budget: its copies and replays
 never take more than ``share`` of the steps' own time so far. A signal whose
 replay does not fit is acted on unattributed (the Preserver steps down: safe for

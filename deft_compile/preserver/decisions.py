@@ -73,86 +73,66 @@ log = logging.getLogger("deft_compile")
 
 @dataclass(frozen=True)
 class PreserverConfig:
-    """Thresholds of the Preserver (on by default for ``policy="deft"``).
+    """Thresholds of the Preserver (on by default for ``policy="deft"``). The rules at length: docs/POLICIES.md,
+    "The Preserver".
 
     Attributes:
-        enabled: turn the Preserver on or off.
-        check_every: steps per loss window.
-        staleness_every: steps between two staleness-error measurements (each
-            costs two eager forward/backward passes); 0 turns the signal off.
-            Two early measurements, at ``staleness_every // 5`` and twice
-            that, catch harm in the first steps.
-        staleness_threshold: median of an item's last ``staleness_window``
-            staleness errors (relative gradient error × mean staleness in
-            steps) above which the item is kept synchronous. The default 0.2
-            separates the two real tasks of docs/CONVERGENCE.md: medians of
-            0.02–0.09 where delays cost nothing (CNN, SGD) and 0.25–0.37 where
-            they cost 3–15 % of validation loss (transformer, AdamW).
-        release_ratio: a pinned bucket is released (may be delayed again)
-            when its median falls below ``staleness_threshold ×
-            release_ratio``: the error is a property of the training
-            dynamics, measured for every bucket, and falls as the learning
-            rate decays.
-        staleness_window: measurements per decision; the median ignores a
-            single spike (a batch the model already fits has a tiny gradient
-            and a large relative error).
-        loss_tolerance: relative excess of a window's mean loss over the best
-            window mean (or over the synchronous probe window) that counts as
-            harm.
-        loss_floor: absolute excess that must also be crossed, so noise near
-            zero loss is not taken for harm.
-        patience: consecutive harmful loss windows before acting.
-        divergence_factor: a window mean above this multiple of the best (or
-            not finite) is acted on at once, before the model is ruined.
-        probe_every: if > 0, every ``probe_every`` steps run ``probe_window``
-            synchronous steps and compare their mean loss with the preceding
-            ``probe_window`` steps of the current plan.
-        probe_window: steps in a synchronous probe window.
-        trade: price staleness per parameter and let the solver trade it
-            against the time it hides (default) instead of pinning buckets
-            whose error crosses ``staleness_threshold`` (the veto mode).
-        staleness_price: κ of :mod:`deft_compile.preserver.pricing`: the price
-            of one step of staleness is κ × (share of a step's progress lost)
-            × step time. 1 is the first-order estimate; above 1 is more careful.
-        probe_backoff: while trades leave the plan unchanged, the interval
-            between staleness measurements doubles up to ``staleness_every ×
-            probe_backoff`` (trade mode).
-        probe_budget: measurements never take more than this share of the
-            training time on average (trade mode; their measured cost counts).
-        trade_margin: a re-priced plan replaces the running one only if its
-            predicted time plus price beats the running plan's, priced the
-            same way, by this share of the compute step time (hysteresis:
-            prices are medians of noisy measurements, a switch costs a flush).
-        attribute_loss: before stepping down on a finite loss signal, replay
-            the steps since the best window from a copy of the state taken
-            there, with the schedules that ran and synchronous, and step down
-            only if the stale replay ends worse (by ``loss_tolerance`` and
-            ``loss_floor``) than the synchronous one was its lag earlier.
-            Costs a copy of the weights and optimizer state, taken before the
-            first stale step after each new best window, and the minibatches
-            since. None (default): on
-            when that copy (trainable parameters, buffers, optimizer state)
-            takes at most ``attribution_max_bytes``. Whatever this is, a
-            signal after synchronous steps only is dismissed.
-        attribution_max_steps: minibatches kept since the best window; past
-            that the copy is dropped and a signal is acted on unattributed.
-        attribution_max_bytes: the largest copy ``attribute_loss=None`` makes
-            (1 GiB): larger models keep their memory and step down unattributed.
-        attribution_budget: the copies and paired replays never take more than
-            this share of the steps' own time so far (0.05, as ``probe_budget``;
-            :mod:`deft_compile.preserver.budget`). A signal whose replay would
-            cross it is acted on unattributed, and a copy that would is not
-            taken. Early in a run, when one replay can cost more than all the
-            steps before it, signals after stale steps therefore step down
-            unattributed. None: no limit.
-        start_synchronous: trade mode: no delays until staleness prices exist
-            (a full window of ``staleness_window`` measurements: step
-            ``staleness_every``, 25 by default); the first plan is synchronous
-            apart from update periods, which the prior prices. Delays in the first steps, while the learning rate
-            warms up and gradients change fastest, did lasting harm
-            (docs/TIME_TO_ACCURACY.md). None (default): on when the step
-            measures its own profile, off for a profile the user gives (taken
-            as the user's plan, as the closed loop does).
+        enabled: turn the Preserver on or off. On because staleness can cost convergence that the speed it buys
+            does not repay (docs/CONVERGENCE.md).
+        check_every: steps per loss window. 10 averages out single batches while a trend shows within tens of
+            steps.
+        staleness_every: steps between two staleness measurements (two eager forward/backward passes each; two
+            early ones at ``staleness_every // 5`` and twice that); 0 turns the signal off. 25 costs about 8 %
+            more compute on average, and the early pair catches harm in the first steps.
+        staleness_threshold: veto mode: the median of an item's last ``staleness_window`` staleness errors
+            (relative gradient error × mean staleness in steps) above which it is kept synchronous. 0.2 separates
+            docs/CONVERGENCE.md's two tasks: medians of 0.02-0.09 where delays cost nothing, 0.25-0.37 where
+            they cost 3-15 % of validation loss.
+        release_ratio: veto mode: a pinned bucket is released when its median falls below ``staleness_threshold
+            × release_ratio``. 0.5 so that a bucket near the threshold does not flip back and forth.
+        staleness_window: measurements per decision (their median). 3 so a single spike is ignored (a batch the
+            model already fits has a tiny gradient and a large relative error).
+        loss_tolerance: relative excess of a window's mean loss over the best window mean (or the synchronous
+            probe window) that counts as harm. 5 %, with ``loss_floor``, so window-to-window noise does not count.
+        loss_floor: absolute excess that must also be crossed. 0.02 so noise near zero loss is not taken for harm.
+        patience: consecutive harmful loss windows before acting. 2 so one hard stretch of data is not enough.
+        divergence_factor: a window mean above this multiple of the best (or not finite) is acted on at once.
+            2 because a doubled loss is divergence, and waiting would ruin the model.
+        probe_every: if > 0, every ``probe_every`` steps run ``probe_window`` synchronous steps and compare their
+            mean loss with the preceding ``probe_window`` steps. 0 (off) because probe windows run synchronous
+            steps whether or not anything is wrong, while the loss rules and the paired replay act on a signal.
+        probe_window: steps in a synchronous probe window. 5 gives a window mean without a long synchronous stretch.
+        trade: price staleness per parameter and let the solver trade it against the time it hides, instead of
+            pinning buckets whose error crosses ``staleness_threshold`` (the veto mode). On because the veto
+            pins buckets where delays cost nothing (a CNN under SGD) and every bucket at once on a transformer
+            under AdamW.
+        staleness_price: κ of :mod:`deft_compile.preserver.pricing`: one step of staleness costs κ × (share of a
+            step's progress lost) × step time. 1, the first-order estimate; above 1 is more careful.
+        probe_backoff: trade mode: while trades leave the plan unchanged, the interval between measurements
+            doubles up to ``staleness_every × probe_backoff``. 8 so measurements that change nothing stop
+            costing time, while prices that move are still seen within 200 steps.
+        probe_budget: trade mode: measurements never take more than this share of the training time on average
+            (their measured cost counts). 5 % caps what the guard costs the speed it guards.
+        trade_margin: a re-priced plan replaces the running one only if its predicted time plus price beats the
+            running plan's, priced the same way, by this share of the compute step time. 5 % because prices are
+            medians of noisy measurements and a switch costs a flush and new graphs.
+        attribute_loss: before stepping down on a finite loss signal after stale steps, replay the steps since
+            the best window from a copy of the state taken there, with the schedules that ran and synchronous,
+            and step down only if the stale replay ends worse; None: on when that copy takes at most
+            ``attribution_max_bytes``. None because a loss also rises on its own (a schedule, hard data, a
+            memorising model), and stepping down for that bars later delays for nothing.
+        attribution_max_steps: minibatches kept since the best window; past that the copy is dropped and a
+            signal is acted on unattributed. 60 bounds the kept batches and a replay's time.
+        attribution_max_bytes: the largest copy ``attribute_loss=None`` makes. 1 GiB: larger models keep their
+            memory and step down unattributed.
+        attribution_budget: the copies and paired replays never take more than this share of the steps' own time
+            so far (:mod:`deft_compile.preserver.budget`); a replay that would cross it is not run, and the
+            signal is acted on unattributed; None: no limit. 0.05, as ``probe_budget``, because early in a run
+            one replay can cost more than every step before it.
+        start_synchronous: trade mode: no delays until staleness prices exist (a full window of
+            ``staleness_window`` measurements, step 25 by default), update periods priced by the prior; None: on
+            when the step measures its own profile, off for a profile the user gives. On because delays in the
+            first steps, while the learning rate warms up, do lasting harm (docs/TIME_TO_ACCURACY.md).
     """
 
     enabled: bool = True

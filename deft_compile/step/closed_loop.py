@@ -53,10 +53,10 @@ overlap the model does not capture), the plan may be wrong. The loop:
    (ByteScheduler's, US-Byte's) that the sequential measurements put ahead of
    DDP's buckets by less than ``duel_margin`` must first win a duel against them
    (``SYNCHRONOUS_DUEL``). Why: DDP's buckets, the initial plan, are measured
-   first, while the host still settles. In 11 of the suite's transformer launches
-   (sessions 13-14) that then ran the priority plan, it had measured 0.4-16 %
-   faster one after the other (median 4 %); the rounds ran it at 0.94-1.06x
-   ``wfbp`` (mean 0.995; docs/BENCHMARKS.md, session 15). A re-plan made during
+   first, while the host still settles, so a priority plan measured after them
+   leads by a few percent on the order alone (on the suite's transformers in
+   normal mode, priority plans that measured 0.4-16 % faster one after the other
+   ran at 0.94-1.06x ``wfbp`` in interleaved rounds). A re-plan made during
    that duel (the Preserver's trade) waits for its verdict, then duels the winner.
 4. ``settled``: the winner runs from then on. If the synchronous plan won,
    later re-plans (the Preserver's) keep ``max_staleness=0``. A plan with delays
@@ -103,99 +103,60 @@ CLOSED_LOOP_POLICIES = ("deft",) + PRIORITY_POLICIES
 
 @dataclass(frozen=True)
 class ClosedLoopConfig:
-    """Knobs of closed-loop planning (``DeftConfig.closed_loop``).
+    """Knobs of closed-loop planning (``DeftConfig.closed_loop``). Why each default is what it is, at length:
+    docs/PLANNER.md, "Closed-loop planning".
 
     Attributes:
-        enabled: True/False, or None for "on for ``policy='deft'``,
-            ``'bytescheduler'`` and ``'usbyte'`` when the step measures its own
-            profile; off otherwise" (a profile the user gives is taken as the
-            user's decision and not refined). For the priority policies the
-            loop refines the profile from the measured plan and re-tunes their
-            search (partition size and credit; split layer and scale) on it,
-            keeping the faster measured plan: ByteScheduler's paper tunes its
-            partition and credit online from measured step times.
-        warmup_steps: steps after a plan change not measured (graphs compile).
-        measure_steps: steps timed per plan (their median counts), at least; see ``min_window_ms``.
-        min_window_ms: a window (and a duel's block) spans at least this much measured time: when
-            ``measure_steps`` steps (``duel_steps`` in a duel) of a plan take less, the window grows to
-            ``ceil(min_window_ms / step)`` steps, at most ``max_window_steps`` (``window_steps``). Why: five
-            steps of a 100-500 ms step (the suite's models) span a second, but five 4 ms steps span 20 ms,
-            where one scheduler hiccup or a burst of another process decides the median, and then the plan.
-            The step time that sets the length is agreed across ranks, so every rank ends the window at the
-            same step. 0 turns it off (the tests that inject times do).
-        max_window_steps: the most steps ``min_window_ms`` may stretch a window or a duel block to.
-        tolerance: relative gap between measured and predicted step time above
-            which the profile is refined and the plan re-solved (any measured
-            plan's). Not 0.1, though it would refine BERT's profile (its plans
-            measure 13-18 % off) and predict its plan with delays within 10 %
-            instead of 20-30 % fast: with the contention held at 0 that
-            refinement shrinks the compute (0.46-0.72x), the Preserver then
-            trades one bucket instead of two, and that trade lost 4 of 6 duels:
-            BERT's ``deft`` ran 0.90-0.93x DDP against 0.82-0.85x at 0.2
-            (docs/BENCHMARKS.md, session 13). Only for the fit from step times:
-            a refinement from the step thread's clocks (``measure_contention``)
-            runs whatever the gap.
-        min_gain: a plan with delays must beat the synchronous plan by this
-            fraction of the step time to be kept.
-        duel_rounds: interleaved rounds of the final comparison between the best
-            plan with delays or periods and the synchronous plan (0: decide from
-            the sequential measurements alone).
-        duel_steps: measured steps per plan and round (at least one whole update
-            period), after one unmeasured step following the switch.
-        duel_margin: no duel when the sequential measurements put the plan with
-            delays this fraction or more above the synchronous one; and a priority
-            plan measured this fraction or more faster than DDP's buckets is taken
-            without a duel (closer, it must win one: see the module docstring).
-        duel_max_rounds: a duel whose ``duel_rounds`` rounds disagree (some rounds'
-            ratios favour each plan) runs on to this many rounds, and the median
-            of all of them decides; at most ``duel_rounds``: never extended. Why:
-            four rounds of a few steps do not resolve a few percent on a shared
-            host (per-round ratios 0.85-1.18 within one duel, session 14), and when
-            every round agrees more rounds would not change the verdict.
-        recheck_every: settled on a plan with delays or update periods, time one window of it every this
-            many steps (0: never) and, when it runs more than ``recheck_margin`` slower than when it was chosen,
-            duel it against the fastest synchronous plan again (``why="re-check"`` in the record): the choice
-            was made under one moment's load, and a plan that overlaps more loses more when the cores get busy.
-            One agreed all-reduce per re-check, on the control group.
-        recheck_margin: see ``recheck_every``.
-        priority_candidate: for ``policy="deft"``, also measure the priority
-            plans (``PRIORITY_POLICIES``: ByteScheduler's and US-Byte's) as
-            synchronous candidates. They give DDP's numbers and overlap
-            communication with the next forward; the fastest measured
-            synchronous plan runs whenever the decision is synchronous, and
-            is what a plan with delays must beat. Not with loss scaling (its
-            skipped updates are not tested with per-layer updates).
-        fit_contention: refine ``Profile.contention`` too (from three measured
-            plans on): the simulator's contention term is linear in it, so the
-            best value for each compute and link factor is solved exactly.
-            Why one would: on a CPU host the profiler's probe of contention
-            follows noise (0.09-0.75 across launches of one model and link,
-            docs/BENCHMARKS.md session 11) while the measured plans are the step
-            itself. Off by default: measured on the suite's transformers it
-            brought the simulator's median miss from -22/-26 % to -9..-21 %, but
-            three synchronous plans measured within a few percent of one another
-            do not pin the contention down (fitted 0 to 0.70 across launches),
-            and where it came out high the Preserver declined trades: ``deft``
-            ran 0.90-0.97x / 0.84-0.85x DDP against 0.85x / 0.82x without it
-            (docs/BENCHMARKS.md, session 12). False keeps the profile's
-            (``DeftConfig.contention``). Where ``measure_contention`` measures it, this is not used.
-        measure_contention: refine from the step thread's own clocks where it has them (a step on the CPU, on a
-            kernel that reports the run-queue delay; ``step.thread_clock``), from two measured plans on
-            (``refine_from_threads``): the compute factor from the thread's CPU time, the contention from the
-            time it waited for its core while communication ran beside it (``measured_contention``), and the
-            link's per-byte and per-message factors fitted to the step times. Why: fitted from step times alone
-            the three numbers are not pinned down (see ``fit_contention``), and with the contention held at 0
-            the fit explained the priority plans' slowness with a slow link that over-predicted DDP's buckets
-            by 21-23 % on ResNet-50 in normal mode; measured, the same launch's three plans are reproduced
-            within 0.3 % (docs/BENCHMARKS.md, session 17). False: the fit from step times, as before.
-        priority_schedule: once a priority plan is the synchronous plan
-            settled on, later ``deft`` re-plans with delays (the Preserver's
-            trades) carry the parameters they leave synchronous on its
-            schedule (``synchronous_schedule``, ``planner.solvers.hybrid``)
-            instead of DDP's buckets waited for at the end of backward. Off by
-            default: measured no faster on the suite's CNNs and slower on its
-            transformers under Inductor (BERT-base 0.98x DDP against 0.85x;
-            docs/BENCHMARKS.md, session 10).
+        enabled: run the closed loop; None: on for ``deft``, ``bytescheduler`` and ``usbyte`` when the step
+            measures its own profile. None because a profile the user gives is the user's decision, not refined.
+        warmup_steps: steps after a plan change that are not measured. 3 covers a new plan's graph captures
+            and first runs; a later step that still runs a graph cold is left out of the plan's time anyway.
+        measure_steps: the fewest steps timed per plan (their median counts; see ``min_window_ms``). 5 lets
+            the median ignore one or two outliers while a trial of three plans stays short.
+        min_window_ms: a window, and a duel's block, is stretched until it spans this much measured time, at
+            most ``max_window_steps`` steps; 0 turns it off. 200 ms because five 4 ms steps span 20 ms, where
+            one scheduler hiccup decides the median, while five of the suite's 100-500 ms steps need no stretch.
+        max_window_steps: the most steps ``min_window_ms`` may stretch a window or a duel block to. 50 reaches
+            200 ms with 4 ms steps and bounds the window for faster ones.
+        tolerance: relative gap between a measured plan's time and its prediction above which the profile is
+            refined from step times alone (a refinement from the step thread's clocks runs whatever the gap).
+            0.2 because at 0.1 that fit shrinks the compute on the suite's BERT and the trades it then prices
+            lose their duels.
+        min_gain: the fraction of the step time by which a plan with delays must beat the synchronous plan to
+            be kept. 1 % because a plan with delays costs staleness, so a tie goes to the synchronous plan.
+        duel_rounds: interleaved rounds of the duel between the best plan with delays or periods and the
+            synchronous plan (0: decide from the sequential measurements alone). 4 rounds in alternating order
+            let a load trend fall on both plans alike.
+        duel_steps: measured steps per plan and round (at least one whole update period), after one unmeasured
+            step following the switch. 3 keeps a four-round duel to 32 steps.
+        duel_margin: no duel when the sequential measurements put the plan with delays this fraction or more
+            above the synchronous one; a priority plan measured this much faster than DDP's buckets is taken
+            without a duel (closer, it must win one). 0.25 because plans of equal speed measured one after the
+            other on a busy host differ by up to about 20 %.
+        duel_max_rounds: a duel whose ``duel_rounds`` rounds disagree runs on to this many rounds, and the
+            median of all of them decides (at most ``duel_rounds``: never extended). 8 because four rounds of a
+            few steps do not resolve a few percent on a shared host, where one duel's rounds span 0.85-1.18.
+        recheck_every: settled on a plan with delays or update periods, time one window of it every this many
+            steps (0: never), and duel it again against the fastest synchronous plan when it runs
+            ``recheck_margin`` slower than when chosen. 200 steps because the choice was made under one
+            moment's load, and one agreed all-reduce per re-check is cheap at that interval.
+        recheck_margin: see ``recheck_every``. 0.15 so that only a real slowdown, not a window's noise, reopens
+            the duel.
+        priority_candidate: for ``policy="deft"``, also measure ByteScheduler's and US-Byte's plans as
+            synchronous candidates (``PRIORITY_POLICIES``; not with loss scaling). On because they give DDP's
+            numbers and hide part of the communication behind the next forward.
+        fit_contention: refine ``Profile.contention`` too, fitted to the measured plans' step times (from three
+            plans on); not used where ``measure_contention`` measures it. Off because three synchronous plans'
+            times do not pin the contention down, and where the fit came out high the Preserver declined
+            trades that pay.
+        measure_contention: refine from the step thread's own clocks where it has them (``step.thread_clock``;
+            ``refine_from_threads``): compute from its CPU time, contention from its run-queue delay, the link
+            fitted per byte and per message; False: the fit from step times. On because measured, each plan's
+            time is reproduced within a few percent where the fits from step times miss by up to 20 %.
+        priority_schedule: once a priority plan is the synchronous plan settled on, ``deft``'s later re-plans
+            with delays carry what they leave synchronous on its schedule (``synchronous_schedule``) instead of
+            DDP's buckets. Off because it measured no faster on the suite's CNNs and slower on its transformers
+            under Inductor.
     """
 
     enabled: bool | None = None
@@ -255,9 +216,9 @@ def contention_parts(profile, plan) -> tuple[float, float]:
 
 #: the least link factor the refinement may fit. The profiler times the link alone, on an idle step, and keeps
 #: the faster half of its repeats: a running step does not send faster than that. Without this floor the fit
-#: traded compute against link freely on the suite's transformers (three synchronous plans measured within a
+#: trades compute against link freely on the suite's transformers (three synchronous plans measured within a
 #: few percent of one another): refined profiles with compute 1.7x the floor's step and a link 4x faster, or
-#: 0.6x the floor's step, on which the Preserver saw nothing to gain (docs/BENCHMARKS.md, session 12).
+#: 0.6x the floor's step, on which the Preserver sees nothing to gain (docs/PLANNER.md).
 MIN_LINK_FACTOR = 1.0
 
 #: how far below the compute thread's measured CPU time the refinement may put the step's compute
@@ -273,9 +234,9 @@ def compute_floor(cpu_ms: list[tuple[Any, float]], compute_ms: Callable[[Any], f
     (``compute_ms(plan)``: the simulator's compute-stream time per step). 0 (no bound) without measurements.
 
     Why: a step's time alone cannot tell slow compute and a fast link from fast compute and a slow link when its
-    plans differ in how much they overlap. On the suite in normal mode the fit then took compute 0.14-0.23x on
-    ResNet-50 and 0.19x on GPT-2 (docs/BENCHMARKS.md, session 15): a profile of almost no compute, on which the
-    Preserver saw nothing to hide. The compute thread's CPU time is a direct measure: it runs the step's kernels
+    plans differ in how much they overlap. On the suite in normal mode the unbounded fit takes compute 0.14-0.23x
+    on ResNet-50 and 0.19x on GPT-2 (``benchmarks/results/recorded/``): a profile of almost no compute, on which
+    the Preserver sees nothing to hide. The compute thread's CPU time is a direct measure: it runs the step's kernels
     (one intra-op thread, as on the suite's workers; with more, it sees only its own share, and the bound is only
     looser) and sleeps while it waits for a collective, so the time it waited, and the time another thread took
     its core, are not in it. Not on an accelerator, where the thread only launches kernels (and may spin in a
@@ -297,9 +258,9 @@ def measured_contention(samples: list[tuple[float, float, float]]) -> tuple[floa
     than two plans, or none that overlaps, since then the two terms cannot be told apart.
 
     Why measure it: the step's time alone cannot tell what overlapped communication costs the compute from a
-    slower link or slower compute. Fitted from three plans' times, the contention came out 0 to 0.7 across
-    launches of one model (docs/BENCHMARKS.md, session 12), and held at 0 the refinement explained the priority
-    plans' slowness in normal mode with a slow link that then over-predicted DDP's buckets by 23 % (session 16).
+    slower link or slower compute. Fitted from three plans' times, the contention comes out 0 to 0.7 across
+    launches of one model, and held at 0 the refinement explains the priority plans' slowness in normal mode
+    with a slow link that then over-predicts DDP's buckets by about 23 % (docs/PLANNER.md).
     The kernel counts the run-queue delay directly (``step.thread_clock``)."""
     samples = [(cpu, queue, overlap) for cpu, queue, overlap in samples if cpu > 0]
     if len(samples) < 2 or not any(overlap > 0 for _, _, overlap in samples):
@@ -329,9 +290,9 @@ def measured_contention(samples: list[tuple[float, float, float]]) -> tuple[floa
 #: how strongly the refinement prefers factors near 1 (the profile as measured), in squared relative error per
 #: squared log factor: doubling a factor costs as much as a 2 % rms miss. Why: the plans a step measures are
 #: often close in time (three synchronous plans within a few percent), and then very different factor pairs fit
-#: them about equally well. Unregularised, one GPT-2 launch took compute 0.18x and link 1.87x (2.5 % rms)
-#: where 1.27x and 1.30x fitted another launch of the same model within 0.3 %: a profile with almost no compute,
-#: on which the Preserver saw nothing to hide and made no trade (docs/BENCHMARKS.md, session 13). Among fits
+#: them about equally well. Unregularised, one GPT-2 launch takes compute 0.18x and link 1.87x (2.5 % rms)
+#: where 1.27x and 1.30x fit another launch of the same model within 0.3 %: a profile with almost no compute,
+#: on which the Preserver sees nothing to hide and makes no trade (``benchmarks/results/recorded/``). Among fits
 #: that explain the measurements about equally, take the least change to what the profiler measured.
 PRIOR_WEIGHT = (0.02 / math.log(2.0)) ** 2
 
@@ -370,7 +331,7 @@ def refine_scales(measured: list[tuple[Any, float]], simulate_parts: SimulatePar
 #: the least per-byte link factor ``refine_from_threads`` may fit. Lower than ``MIN_LINK_FACTOR``: there the
 #: compute is measured, not fitted, so the link can no longer trade against it, and the profiler's per-byte cost
 #: comes from messages of at most 4 MiB while DDP's buckets hold 25 MiB: on the suite's ResNet-50 in normal mode
-#: the fit took 0.75x with its three plans reproduced within 0.3 % (benchmarks/results/s17-diag).
+#: the fit takes 0.75x with its three plans reproduced within 0.3 % (benchmarks/results/clock-probes).
 MIN_MEASURED_LINK_FACTOR = 0.5
 
 
@@ -399,8 +360,8 @@ def refine_from_threads(measured: list[tuple[Any, float]], simulate_parts: Calla
 
     Why the latency apart: plans of a few large buckets hinge on the per-byte cost, plans of many small
     partitions (ByteScheduler's 164 per step on ResNet-50) on the per-message latency; one factor for both made
-    the slow partitions' time look like a slow link, which then over-predicted DDP's buckets by 21-23 %
-    (docs/BENCHMARKS.md, sessions 16-17)."""
+    the slow partitions' time look like a slow link, which then over-predicts DDP's buckets by 21-23 % on
+    ResNet-50 in normal mode (docs/PLANNER.md)."""
     if len(thread_ms) != len(measured):
         raise ValueError(f"thread_ms has {len(thread_ms)} entries for {len(measured)} measured plans")
     timed = [(plan, ms, threads) for (plan, ms), threads in zip(measured, thread_ms) if threads is not None]
@@ -801,8 +762,8 @@ class ClosedLoop:
         each layer's gradients just before that layer's forward in the next step: no staleness, DDP's numbers,
         part of the communication hidden behind the next forward. Where the Preserver finds staleness too
         costly, this is what is left to gain (measured: 0.82-0.91x DDP on the suite's CNNs in emulation).
-        Both, not the one predicted faster: the simulator misses these plans by 20-40 % and ranked them wrongly
-        on ResNet-50 (docs/BENCHMARKS.md, session 8)."""
+        Both, not the one predicted faster: the simulator can miss these plans by 20-40 % and rank them wrongly
+        (ResNet-50)."""
         from deft_compile.planner.solvers import solve
 
         plans = []
@@ -821,10 +782,10 @@ class ClosedLoop:
     def _clocks_measured(self) -> bool:
         """Whether the refinement measures rather than fits (``refine_from_threads``): then it runs whatever the
         gap. ``tolerance`` keeps a fit to step times alone from following noise; measured, the compute and the
-        contention come from the step thread's clocks. Why: gated by the gap, 4 of 6 transformer launches of
-        session 17 kept the profile's contention of 0 (their priority plans missed by 12-20 %), and the plan with
-        delays that the Preserver traded on that profile was predicted 21 % below its measured time on GPT-2
-        (docs/BENCHMARKS.md)."""
+        contention come from the step thread's clocks. Why: gated by the gap, most of the suite's transformer
+        launches keep the profile's contention of 0 (their priority plans miss by 12-20 %, under the tolerance),
+        and a plan with delays the Preserver trades on that profile is predicted 21 % below its measured time on
+        GPT-2."""
         return self.config.measure_contention and sum(t is not None for t in self._thread_ms()) >= 2
 
     def _worst_gap(self, step) -> float:
@@ -925,10 +886,9 @@ class ClosedLoop:
     def _fastest_synchronous(self):
         """(plan, ms) of the synchronous plan to run whenever the plan is synchronous, and the one a plan with
         delays must beat (it is what runs instead, with no staleness): the one ``_choose_synchronous`` chose, else
-        the fastest measured. A priority plan (ByteScheduler's, US-Byte's) qualifies: session 8 kept them out of
-        duels because the closed loop measured them 20-40 % faster than the benchmark's rounds did; the cause was
-        the collectives after a step waiting for its gradients in flight (``CompiledStep.control_group``;
-        docs/BENCHMARKS.md, session 9)."""
+        the fastest measured. A priority plan (ByteScheduler's, US-Byte's) qualifies: its measured time is its
+        real one, since no collective after a step waits for the gradients it leaves in flight
+        (``CompiledStep.control_group``)."""
         if self._sync_pick in self.measured:
             return self.measured[self._sync_pick]
         return min(((p, ms) for p, ms in self.measured.values() if self._synchronous(p)), key=lambda e: e[1])

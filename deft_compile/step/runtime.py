@@ -463,8 +463,8 @@ class CompiledStep:
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
         group = self._step_group or self.comm_group
-        # A policy's own step group (DS-Sync) broadcasts within that group, as before; otherwise the buffers go on
-        # their own group, beside the all-reduces still in flight from the previous step.
+        # A policy's own step group (DS-Sync) broadcasts within that group; otherwise the buffers go on their own
+        # group, beside the all-reduces still in flight from the previous step.
         buffer_group = self._buffer_group if self._step_group is None else None
         guards = guard_options_for(self.config.max_grad_norm, self.config.norm_type, self.loss_scaler)
         compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush,

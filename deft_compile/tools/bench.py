@@ -56,7 +56,7 @@ POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-
 # that config besides the defaults}). Plain data, so the parent process needs no torch import.
 POLICY_VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
     "deft-no-preserver": ("deft", {"preserver": {"enabled": False}}),
-    # deft whose plans with delays carry what they leave synchronous on the settled priority schedule (session 10)
+    # deft whose plans with delays carry what they leave synchronous on the settled priority schedule
     "deft-priority-sync": ("deft", {"closed_loop": {"priority_schedule": True}}),
 }
 DEFAULT_POLICIES = ("wfbp", "bytescheduler", "usbyte", "deft")
@@ -165,12 +165,12 @@ def _settle_closed_loop(call: Callable[[str], tuple[float, bool]], name: str, st
     ``ClosedLoopConfig.max_window_steps`` (five candidates and four duel rounds of 50-step windows are ~700).
 
     Each rank decides alone: the closed loop's and the Preserver's decisions are agreed across ranks at the
-    same steps, so every rank leaves at the same step (``_warmed_up_alike`` checks). Not a flag all-reduced
-    after every step, as before session 14: that is a synchronisation between steps that training does not
-    have, and its packets queue behind the gradients a delayed or priority plan leaves in flight (on the
-    shaped link, whatever the group), so the closed loop's trials timed such plans with part of their carried
-    communication done outside the timed steps (docs/BENCHMARKS.md, session 14). Session 9 moved the flags off
-    the data-parallel group for the same reason (gloo's queue); the link's queue remained."""
+    same steps, so every rank leaves at the same step (``_warmed_up_alike`` checks). No flag is all-reduced
+    after every step: that is a synchronisation between steps that training does not have, and its packets
+    queue behind the gradients a delayed or priority plan leaves in flight (on the shaped link, whatever the
+    group: 33-46 ms for a 1-element all-reduce started 5 ms after a 16 MB one at 500 Mbit/s), so the closed
+    loop's trials would time such plans with part of their carried communication done outside the timed
+    steps."""
     loop = getattr(step, "closed_loop", None)
     if loop is None:
         return
@@ -514,7 +514,7 @@ def slower_rank_block_ms(by_rank: dict[str, list[list[float]]], retraced: dict[s
     the block per step. Measured: equal to ``step_ms`` within 2 % in accelerator emulation, 4-9 % lower for
     ``deft`` on the transformers in normal mode, where the wall clock (``wall_block_ms``) sided with ``step_ms``
     (within 0.8 %): a rank's own block misses the skew between ranks at the block's ends. A record, not a
-    basis (docs/BENCHMARKS.md, session 14)."""
+    basis (docs/BENCH_CLI.md, "Timing")."""
     out: dict[str, float] = {}
     for name, ranks in by_rank.items():
         flags = retraced.get(name) or [False] * len(ranks[0])
@@ -936,7 +936,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "the ratios measure the schedule; inductor compiles each graph variant, about a minute "
                              "each on a cold cache here)")
     tta = parser.add_argument_group(
-        "time to accuracy (issue 16)",
+        "time to accuracy",
         "--time-to-accuracy trains a GPT-2 (transformers config, bytes) on the stdlib's sources with DDP, deft, deft "
         "without the Preserver and deft without update periods, same weights and batches, and reports validation "
         "loss against wall-clock time and the time each needs to reach DDP's final validation loss "

@@ -175,7 +175,7 @@ BENCH_MODELS["mlp-teacher"] = Preset(
     "mlp-teacher", "MLP 256-512x3-10 (the mlp preset), SGD momentum, labels from a fixed linear teacher",
     PRESETS["mlp"].build, PRESETS["mlp"].optimizer, F.cross_entropy, _teacher_vectors, 64)
 
-BENCH_MODELS.update(SUITE_PRESETS)  # benchmarks/suite.py (issue 13)
+BENCH_MODELS.update(SUITE_PRESETS)  # benchmarks/suite.py
 BENCH_MODELS.update(QUICK_PRESETS)
 
 

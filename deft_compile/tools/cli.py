@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and getattr(args, "time_to_accuracy", False):  # issue 16: its own benchmark
+    if args.command == "bench" and getattr(args, "time_to_accuracy", False):  # a benchmark of its own
         from deft_compile.tools.time_to_accuracy import run_cli
 
         return int(run_cli(args) or 0)

@@ -287,7 +287,7 @@ def get_preset(name: str) -> Preset:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}") from None
 
 
-# --- benchmark-suite models (issue 13): models nobody tuned the planner for ------------------
+# --- benchmark-suite models: models nobody tuned the planner for ----------------------------
 
 
 class VGGBN(nn.Module):

@@ -1,4 +1,4 @@
-"""Time to accuracy (issue 16): validation loss against wall-clock time, DDP vs deft, on a shaped link.
+"""Time to accuracy: validation loss against wall-clock time, DDP vs deft, on a shaped link.
 
 The number a user buys is not the step time but the time to reach a loss. This module trains a causal
 transformer LM (``transformers`` GPT-2 from a config, random weights, byte-level vocabulary 256) on this
@@ -27,7 +27,7 @@ Every ``eval_every`` steps (and at step 0) the validation loss is measured on fi
 delayed or accumulated gradients are applied; the flush is training work and counts on its clock, the
 evaluation does not. The evaluation's time is the slowest rank's clock.
 
-Overheads (issue 16, part 3), per variant, as a share of its training clock: the first step's excess over a
+Overheads, per variant, as a share of its training clock: the first step's excess over a
 steady step (profiling, planning, tracing), steps that captured a new graph (retraces after re-plans, new
 graph variants), steps in which the Preserver measured the staleness error (two extra eager forward/backward
 passes), the evaluation flushes and the chunk-boundary waits. Excess = the call's time minus the median of the
@@ -187,7 +187,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "deft-local-delays": {"delayed_update": "local", "preserver": False, "plan_options": {"allow_period": False}},
 }
 DEFAULT_VARIANTS = ("ddp", "deft", "deft-no-preserver", "deft-no-period")
-TARGET_SPEEDUP = 1.3  # issue 16: deft reaches DDP's final validation loss at least 1.3x sooner ...
+TARGET_SPEEDUP = 1.3  # the target: deft reaches DDP's final validation loss at least 1.3x sooner ...
 TARGET_FINAL_EXCESS = 0.02  # ... and never ends more than 2 % above it
 
 
@@ -766,7 +766,7 @@ def results_section(record: dict[str, Any], docs_dir: Path | None = None) -> str
              "", markdown_table(summary), "", TABLE_NOTE, ""]
     targets = summary.get("targets")
     if targets:
-        lines.append(f"Targets (issue 16) for `deft`: speed-up >= {targets['speedup_target']}x in every seed: "
+        lines.append(f"Targets for `deft`: speed-up >= {targets['speedup_target']}x in every seed: "
                      f"{_fmt(targets['speedup'], '{:.2f}x')} (worst seed) -> **{'met' if targets['speedup_met'] else 'not met'}**; "
                      f"final loss at most {targets['final_target']:.0%} above DDP's: worst {targets['worst_final_vs_ddp']:+.2%} -> "
                      f"**{'met' if targets['final_met'] else 'not met'}**.")

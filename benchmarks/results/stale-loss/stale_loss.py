@@ -1,5 +1,6 @@
-"""Session 16 diagnostic: does resnet50-teacher's window loss rise between steps 25 and 90 on the bench's 8-batch pool,
-synchronous vs every gradient one step stale (w_{t+1} = U(w_t, g_{t-1}))? One process, rank 0's pool."""
+"""What one step of staleness costs a bench model's convergence: window means of 10 steps of the training loss on
+the bench's 8-batch pool, synchronous vs every gradient one step stale (w_{t+1} = U(w_t, g_{t-1})). One process,
+rank 0's pool, the preset's own optimizer. Usage: python benchmarks/results/stale-loss/stale_loss.py MODEL STEPS"""
 import sys, copy, statistics, torch
 from deft_compile.tools.bench_models import resolve_model
 torch.set_num_threads(1)
