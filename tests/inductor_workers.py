@@ -9,18 +9,20 @@ import torch
 from workers import compare_with_ddp
 
 
-def inductor_vs_ddp(rank: int, world_size: int, case: str, steps: int) -> dict:
-    """``workers.compare_with_ddp`` with compiler="inductor" (policy "wfbp"), plus the generated code's collective
-    order and the FX graph's."""
+def inductor_vs_ddp(rank: int, world_size: int, case: str, steps: int, compiler: str = "inductor") -> dict:
+    """``workers.compare_with_ddp`` with an Inductor compiler (policy "wfbp"), plus the FX graph's collective order
+    and the order the lowered step runs them in: the regional program's (``inductor``), the generated wrapper's
+    (``inductor-graph``)."""
     from deft_compile.step.lowering import collective_order
 
-    result = compare_with_ddp(rank, world_size, case, steps, compiler="inductor")
+    result = compare_with_ddp(rank, world_size, case, steps, compiler=compiler)
     fx_order = [
         {"all_reduce": "all_reduce", "wait_tensor": "wait", "broadcast": "broadcast"}[m]
         for m in re.findall(r"_c10d_functional\.(all_reduce|wait_tensor|broadcast)_?\.default\(", result["code"])
     ]
     return {"steps": result["steps"], "compilers": result["compilers"], "fx_order": fx_order,
-            "code_order": collective_order(result["generated_code"]), "history": result["lowering_history"],
+            "program_order": result.get("program_order"), "code_order": collective_order(result["generated_code"]),
+            "history": result["lowering_history"],
             "buckets": result["buckets"]}
 
 

@@ -33,7 +33,7 @@ def _batches(n: int):
 
 def test_compiler_option_and_environment(monkeypatch):
     assert DeftConfig(compiler="aten").compiler == "aten"
-    with pytest.raises(ValueError, match="DeftConfig.compiler must be one of 'inductor', 'aten'; got 'tvm'"):
+    with pytest.raises(ValueError, match="DeftConfig.compiler must be one of 'inductor', 'inductor-graph', 'aten'; got 'tvm'"):
         DeftConfig(compiler="tvm")
     monkeypatch.setenv("DEFT_COMPILER", "inductor")
     assert DeftConfig().compiler == "inductor"
@@ -66,9 +66,13 @@ def test_item_reads_become_tensor_arithmetic():
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(caplog):
-    """One graph for a whole LR schedule, compiled by Inductor on its second run, same numbers as aten."""
-    models = {c: _mlp() for c in ("aten", "inductor")}
+@pytest.mark.parametrize("whole", [False, True])
+def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(caplog, monkeypatch, whole):
+    """One graph for a whole LR schedule, same numbers as aten. Regional (the default): its regions compile on its
+    first run and the LR changes compile nothing more. Whole-graph (``inductor-graph``): compiled on its second run."""
+    monkeypatch.setattr(lowering, "REGION_CACHES", False)  # every region keeps its generated code for the check
+    inductor = "inductor-graph" if whole else "inductor"
+    models = {c: _mlp() for c in ("aten", inductor)}
     steps = {}
     for compiler, model in models.items():
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
@@ -78,15 +82,20 @@ def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(cap
             for x, y in _batches(4):
                 step(x, y)
                 schedule.step()
-    assert steps["inductor"].compiler == "inductor" and steps["aten"].compiler == "aten"
-    assert steps["inductor"].trace_count == 2  # first step (creates state), steady step: lr changes reuse it
-    assert [h["compiler"] for h in steps["inductor"].lowering.history] == ["inductor"]
-    assert "Inductor compiled step graph" in caplog.text
-    for a, b in zip(models["aten"].parameters(), models["inductor"].parameters()):
+    assert steps[inductor].compiler == "inductor" and steps["aten"].compiler == "aten"
+    assert steps[inductor].trace_count == 2  # first step (creates state), steady step: lr changes reuse it
+    history = steps[inductor].lowering.history
+    assert history and all(h["compiler"] == "inductor" for h in history)
+    if whole:
+        assert len(history) == 1 and "Inductor compiled step graph" in caplog.text
+    else:
+        assert steps[inductor].lowering.cold_runs == 2  # the first step's regions, then the steady updates
+        assert "region(s) of the step graph" in caplog.text
+    for a, b in zip(models["aten"].parameters(), models[inductor].parameters()):
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-6
     # AdamW's per-parameter scalars (bias corrections: pow in float64) are computed once per step, not
     # inside the element loops (lowering.RealizeScalars)
-    source = steps["inductor"].lowering.last.source_code
+    source = steps[inductor].lowering.last.source_code
     assert "std::pow" in source and _lines_inside_loops(source, "std::pow") == 0
 
 
@@ -134,20 +143,25 @@ def test_tanh_gelu_rewrite_is_accurate():
 
 
 def test_inductor_failure_falls_back_to_aten_once(monkeypatch, caplog):
-    def broken(gm, inputs):
+    def broken(gm, inputs, **options):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(lowering, "compile_with_inductor", broken)
     lowering._warned.clear()
-    model = _mlp()
+    model, reference = _mlp(), _mlp()
     step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
                         config=DeftConfig(compiler="inductor"))
+    aten = deft_compile(reference, torch.optim.SGD(reference.parameters(), lr=0.1), F.cross_entropy,
+                        config=DeftConfig(compiler="aten"))
     with caplog.at_level(logging.WARNING, logger="deft_compile"):
         for x, y in _batches(3):
             step(x, y)
+            aten(x, y)
     assert step.compiler == "aten"
     assert step.lowering.history[0]["fallback_reason"] == "RuntimeError: no C++ compiler"
-    assert caplog.text.count("Inductor could not compile the step graph") == 1
+    assert caplog.text.count("Inductor could not compile a region of the step") == 1
+    for a, b in zip(model.parameters(), reference.parameters()):  # the fallback runs the same aten ops
+        assert torch.equal(a, b)
 
 
 @pytest.fixture(scope="module", params=["mlp_dropout_sgd", "transformer_tied_adamw_groups", "cnn_batchnorm_adam"])
@@ -161,20 +175,19 @@ def test_inductor_wfbp_equals_ddp(ddp_report):
     case, per_rank = ddp_report
     tolerance = 1e-6 if case.endswith("sgd") else 1e-5
     for rank, report in enumerate(per_rank):
-        # SGD with momentum: first-step graph, then the steady graph runs once as aten before it is lowered
-        assert report["compilers"][-2:] == ["inductor"] * 2, report["history"]
+        assert report["compilers"] == ["inductor"] * len(report["compilers"]), report["history"]
         for entry in report["steps"]:
             assert entry["missing"] == [] and entry["compared"] > 0
             assert entry["max_rel"] <= tolerance, f"{case} rank {rank} step {entry['step']} worst {entry['worst']}"
 
 
-def test_generated_code_launches_and_waits_where_the_plan_says(ddp_report):
-    """The generated wrapper calls the collectives in the FX graph's order (one launch per bucket), with
-    backward kernels between the first launch and the first wait (overlap kept) and the optimizer's
-    kernels after the last wait."""
+def test_compiled_regions_run_between_the_collectives_where_the_plan_says(ddp_report):
+    """The regional program runs the collectives in the FX graph's order (one launch per bucket), with backward
+    regions between the first launch and the first wait (overlap kept) and the optimizer's regions after the
+    last wait."""
     case, per_rank = ddp_report
     for report in per_rank:
-        order = report["code_order"]
+        order = ["kernel" if e == "region" else e for e in report["program_order"]]
         collectives = [e for e in order if e != "kernel"]
         assert collectives == report["fx_order"]
         assert collectives.count("all_reduce") == report["buckets"] >= 2
@@ -186,6 +199,24 @@ def test_generated_code_launches_and_waits_where_the_plan_says(ddp_report):
         assert "kernel" in order[first_launch:first_wait], "backward compute overlaps the first bucket"
         assert last_launch < first_wait, "wfbp: every bucket is launched before the first wait"
         assert "kernel" in order[last_wait:], "the optimizer update runs after the waits"
+
+
+def test_whole_graph_lowering_keeps_each_kernel_between_the_same_collectives():
+    """Opt-in whole-graph lowering (``inductor-graph``): DDP's numbers, and the generated wrapper calls the
+    collectives in the FX graph's order with backward kernels between the first launch and the first wait and the
+    optimizer's kernels after the last wait (no fusion moved compute across a collective)."""
+    results = run_local_workers(inductor_vs_ddp, 2, ("mlp_dropout_sgd", 4, "inductor-graph"), timeout_s=400,
+                                collective_timeout_s=240)
+    for report in (r.value for r in results):
+        assert report["compilers"][-1] == "inductor", report["history"]
+        assert all(entry["max_rel"] <= 1e-6 for entry in report["steps"]), report["steps"]
+        order = report["code_order"]
+        collectives = [e for e in order if e != "kernel"]
+        assert collectives == report["fx_order"] and collectives.count("all_reduce") == report["buckets"] >= 2
+        first_launch = order.index("all_reduce")
+        first_wait = order.index("wait", first_launch)
+        last_wait = len(order) - 1 - order[::-1].index("wait")
+        assert "kernel" in order[first_launch:first_wait] and "kernel" in order[last_wait:]
 
 
 def test_backend_with_inductor_equals_ddp_and_deft_policy_runs():

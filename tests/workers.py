@@ -81,6 +81,8 @@ def compare_with_ddp(rank: int, world_size: int, case: str, steps: int, dump_dir
     }
     if compiler is not None and step.lowering.last is not None:
         result.update(generated_code=step.lowering.last.source_code, lowering_history=step.lowering.history)
+        if step.lowering.regions is not None:
+            result["program_order"] = step.lowering.program(step.graph.graph_module).event_order()
     return result
 
 

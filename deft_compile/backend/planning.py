@@ -21,7 +21,6 @@ import dataclasses
 import time
 from typing import Any, Callable, Mapping
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
@@ -96,19 +95,13 @@ def profile_backward(
     """The ``Profile`` of one backward graph: per parameter (in ready order) its backward ms; the link's α, β."""
     from deft_compile.planner.profiler import (
         LINK_PROBE_BYTES,
-        _TimingInterpreter,
         agree_across_ranks,
         fit_alpha_beta,
         measure_allreduce,
+        time_graph_nodes,
     )
 
-    interpreter = _TimingInterpreter(bw)
-    with torch.no_grad():
-        for run in range(1 + repeats):
-            if run == 1:
-                interpreter.times.clear()
-            interpreter.run(*args)
-    node_ms = {node: min(samples) for node, samples in interpreter.times.items()}
+    node_ms = time_graph_nodes(bw, args, warmup=1, repeats=repeats)
     ready = gradient_ready_order(bw, sorted(params))
     outputs = gradient_outputs(bw)
     owner = {outputs[p]: p for p in ready}

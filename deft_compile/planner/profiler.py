@@ -67,19 +67,27 @@ def measure_node_times(
     captured: CapturedStep, inputs: Sequence[torch.Tensor], *, warmup: int = 1, repeats: int = 3,
     clock: HostClock | None = None,
 ) -> dict[fx.Node, float]:
-    """Milliseconds of every node of the captured graph (the minimum over ``repeats`` runs on copies of ``inputs``).
+    """Milliseconds of every node of the captured graph (``time_graph_nodes`` on a copy of the inputs)."""
+    return time_graph_nodes(captured.graph_module, inputs, warmup=warmup, repeats=repeats, clock=clock)
+
+
+def time_graph_nodes(
+    gm: fx.GraphModule, inputs: Sequence[Any], *, warmup: int = 1, repeats: int = 3, clock: HostClock | None = None,
+) -> dict[fx.Node, float]:
+    """Milliseconds of every computing node of ``gm`` (the minimum over ``repeats`` runs on copies of ``inputs``,
+    after ``warmup`` runs).
 
     The minimum, not the median: on a shared machine a busy moment only ever
     makes a node slower, and one skewed profile would bias the whole plan.
-    ``clock`` (default: the inputs' device's, ``deft_compile.timing.clock_for``) brackets each node: the host clock on a
-    CPU, CUDA events around the node's kernels on a GPU.
+    ``clock`` (default: the inputs' device's, ``deft_compile.timing.clock_for``) brackets each node: the host clock
+    on a CPU, CUDA events around the node's kernels on a GPU. The random-number state is restored afterwards.
     """
     if clock is None:
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
         clock = clock_for(device)
     rng = torch.get_rng_state()
     cuda_rng = _cuda_rng_states()
-    interpreter = _TimingInterpreter(captured.graph_module)
+    interpreter = _TimingInterpreter(gm)
     samples: dict[fx.Node, list[float]] = {}
     try:
         with torch.no_grad():

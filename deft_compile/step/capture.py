@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
@@ -110,7 +111,8 @@ class CapturedStep:
         """The same capture on a copy of its graph and layout, for the passes to rewrite. Copying a graph takes
         milliseconds where tracing the step again takes seconds; node meta (shapes, the annotation) is kept."""
         graph = copy.deepcopy(self.graph_module.graph)
-        graph_module = fx.GraphModule(self.graph_module, graph, class_name=type(self.graph_module).__name__)
+        # a lazy graph module under ``lowering.lazy_graph_modules()``: its code is generated when it first runs
+        graph_module = _make_graph_module(self.graph_module, graph, class_name=type(self.graph_module).__name__)
         graph_module.meta = {**self.graph_module.meta, "deft_layout": copy.deepcopy(self.graph_module.meta["deft_layout"])}
         return dataclasses.replace(self, graph_module=graph_module)
 

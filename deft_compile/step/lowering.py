@@ -57,7 +57,7 @@ from deft_compile.passes.scalars import tensorize_item_reads
 
 log = logging.getLogger("deft_compile")
 
-COMPILERS: tuple[str, ...] = ("inductor", "aten")
+COMPILERS: tuple[str, ...] = ("inductor", "inductor-graph", "aten")
 ENV_COMPILER = "DEFT_COMPILER"
 
 #: Inductor settings for step graphs: the FX order of collectives, waits and compute is kept, and
@@ -71,10 +71,22 @@ PINNED_ORDER_CONFIG: dict[str, Any] = {
     "fx_graph_cache": True,
 }
 
+#: Regions compile with AOTAutograd's cache on as well as Inductor's FX graph cache: a second launch of the same
+#: model traces and compiles nothing (on a hit no generated code is at hand; off, every region keeps its code).
+REGION_CACHES = True
 #: Mark one-element values that feed whole tensors for computation once (:class:`RealizeScalars`).
 REALIZE_SCALARS = True
 #: Lower ``gelu(approximate="tanh")`` and its backward through ``sigmoid`` (:func:`decompose_tanh_gelu`).
 FAST_TANH_GELU = True
+
+
+def lazy_graph_modules() -> Any:
+    """A context in which graph modules generate their Python code when first called, not at every
+    ``recompile()``: building a step graph runs a dozen passes over thousands of nodes, and only the last
+    graph's code is ever run."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
 
 
 def default_compiler() -> str:
@@ -140,8 +152,13 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str) -> L
                         source_code=source, cache_hit=hit)
 
 
-def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable[..., Any], str, bool | None]:
-    """``(callable, generated wrapper code, FX-graph-cache hit)`` for a copy of ``gm`` compiled by Inductor."""
+def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                          caches: bool = False) -> tuple[Callable[..., Any], str, bool | None]:
+    """``(callable, generated wrapper code, cache hit)`` for a copy of ``gm`` compiled by Inductor.
+
+    ``caches``: AOTAutograd's cache on as well as Inductor's FX graph cache, so a second launch traces nothing
+    (regions); off, every compile keeps its generated code at hand (whole graphs: ``explain`` and the
+    placement checks read it). On an AOTAutograd cache hit there is no generated code."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._functorch import config as functorch_config
@@ -155,6 +172,8 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         lowered = decompose_tanh_gelu(lowered)
     sources: list[str] = []
     hits: list[bool] = []
+
+    autograd_hits = _autograd_cache_hits()
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         before = _cache_hits()
@@ -175,12 +194,14 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
             stack.enter_context(inductor_config.patch(post_grad_custom_post_pass=RealizeScalars()))
         # AOTAutograd's own cache would skip inner_compile on a hit, and with it the generated code we keep
         # (for explain and the placement checks); Inductor's FX graph cache below it still makes hits fast.
-        stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=caches))
         stack.enter_context(V.set_choices_handler(PinnedCollectiveChoices()))
         stack.enter_context(tracing(TracingContext(fake_mode)))
         fake_inputs = [_fake_like(fake_mode, x) for x in example_inputs]
         compiled = compile_fx(lowered, fake_inputs, inner_compile=inner_compile)
     # compile_fx returns Dynamo's backend convention: called with the inputs as positional arguments
+    if caches and _autograd_cache_hits() > autograd_hits:
+        return compiled, "", True
     return compiled, "\n".join(sources), (all(hits) if hits else None)
 
 
@@ -334,6 +355,12 @@ def _cache_hits() -> int:
     return int(counters["inductor"]["fxgraph_cache_hit"])
 
 
+def _autograd_cache_hits() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["autograd_cache_hit"])
+
+
 # -- keeping the order ---------------------------------------------------------------------------------
 
 
@@ -419,11 +446,17 @@ def collective_order(source_code: str) -> list[str]:
 class StepLowering:
     """Runs the step graphs of one ``CompiledStep`` with the configured compiler.
 
-    A graph is lowered the second time it runs: the first call of a graph
-    (the first step, which creates optimizer state; a ``flush``) usually runs
-    once, and compiling it would cost seconds for nothing. Flush graphs always
-    run as aten. Lowered graphs are kept as long as their graph module lives
-    (the step's graph cache decides that).
+    ``"inductor"`` (the default): regional (``deft_compile.step.regions``). Every graph runs as its segments from
+    its first call on, flush graphs too: the plan's glue as aten, each region compiled once per structure and
+    input signature for all the step's graphs. So a graph runs the same kernels in every process from its first
+    call (a resumed run is bit-identical to a straight one), and a new plan compiles only regions no earlier graph
+    had (none, when only the collectives moved).
+
+    ``"inductor-graph"`` (opt-in): the whole graph lowered at once, fusing across region boundaries. A graph runs
+    as aten on its first call and is lowered on its second (the first step and flushes usually run once); flush
+    graphs always run as aten; every new plan is a new compile.
+
+    ``"aten"``: the graph's aten ops, called from Python.
     """
 
     def __init__(self, compiler: str) -> None:
@@ -431,13 +464,22 @@ class StepLowering:
         self.compiler = compiler
         self._lowered: "weakref.WeakKeyDictionary[fx.GraphModule, LoweredGraph]" = weakref.WeakKeyDictionary()
         self._seen: "weakref.WeakKeyDictionary[fx.GraphModule, int]" = weakref.WeakKeyDictionary()
+        self._programs: "weakref.WeakKeyDictionary[fx.GraphModule, Any]" = weakref.WeakKeyDictionary()
+        self.regions = None
+        if compiler == "inductor":
+            from deft_compile.step.regions import RegionCache
+
+            self.regions = RegionCache(self._compile_region)
+        self._fallbacks: set[str] = set()  # structure keys of regions Inductor could not compile (run as aten)
         self.last: LoweredGraph | None = None  # what ran in the most recent call
         self.history: list[dict[str, Any]] = []  # one entry per Inductor compile (seconds, cache hit, fallback)
-        # runs that were not a graph's steady state: the first (aten) run of a graph Inductor will compile, and
-        # the run that compiles it. Timings of steps with one are not the plan's (the closed loop leaves them out)
+        # runs that were not a graph's steady state: a run that compiled (or, whole-graph, the first aten run of a
+        # graph Inductor will compile). Timings of steps with one are not the plan's (the closed loop leaves them out)
         self.cold_runs = 0
 
     def run(self, gm: fx.GraphModule, inputs: Sequence[Any], *, flush: bool = False, label: str = "step") -> Sequence[Any]:
+        if self.regions is not None:
+            return self._run_regions(gm, inputs, label)
         lowered = self._lowered.get(gm)
         if lowered is None:
             calls = self._seen.get(gm, 0)
@@ -468,3 +510,60 @@ class StepLowering:
                 )
         self.last = lowered
         return lowered.run(*inputs)
+
+    # -- regions ----------------------------------------------------------------------------------------------
+    def program(self, gm: fx.GraphModule) -> Any:
+        """The regional program of ``gm`` (built once per graph module)."""
+        from deft_compile.step.regions import RegionalProgram
+
+        program = self._programs.get(gm)
+        if program is None:
+            with lazy_graph_modules():
+                program = self._programs[gm] = RegionalProgram(gm)
+        return program
+
+    def _run_regions(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str) -> Sequence[Any]:
+        program = self.program(gm)
+        compiled_before = len(self.history)
+
+        def call(segment: Any, values: list[Any]) -> Sequence[Any]:
+            if not segment.is_region:
+                return segment.module(*values)
+            compiled, _ = self.regions.get(segment, values)
+            return compiled(*values)
+
+        outputs = program.run(inputs, call)
+        new = self.history[compiled_before:]
+        if new:
+            self.cold_runs += 1
+            log.info("Inductor compiled %d region(s) of the %s graph in %.2f s (%d regions compiled in all)",
+                     len(new), label, sum(entry["seconds"] for entry in new), len(self.regions))
+        keys = {segment.key for segment in program.segments if segment.is_region}
+        lowered = any(key not in self._fallbacks for key in keys)
+        sources = [entry.get("source", "") for entry in self.history if entry.get("source") and entry["key"] in keys]
+        self.last = LoweredGraph(run=gm, compiler="inductor" if lowered else "aten", source_code="\n".join(sources),
+                                 extra={"segments": len(program.segments), "regions": len(keys)})
+        return outputs
+
+    def _compile_region(self, segment: Any, inputs: Sequence[Any]) -> Callable[..., Any]:
+        module = segment.module
+        started = time.perf_counter()
+        entry: dict[str, Any] = {"graph": "region", "region": str(segment.region), "key": segment.key,
+                                 "compiler": "inductor", "nodes": len(module.graph.nodes)}
+        try:
+            run, source, hit = compile_with_inductor(module, inputs, caches=REGION_CACHES)
+            entry.update(cache_hit=hit, fallback_reason=None, source=source)
+        except Exception as exc:  # noqa: BLE001 - a region Inductor cannot compile runs as aten
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            if reason not in _warned:
+                _warned.add(reason)
+                log.warning("Inductor could not compile a region of the step; it runs as aten (%s)", reason)
+            self._fallbacks.add(segment.key)
+            lowered_counts["aten"] += 1
+            entry.update(compiler="aten", cache_hit=None, fallback_reason=reason)
+            run = module
+        else:
+            lowered_counts["inductor"] += 1
+        entry["seconds"] = round(time.perf_counter() - started, 3)
+        self.history.append(entry)
+        return run

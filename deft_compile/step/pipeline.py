@@ -27,6 +27,7 @@ from deft_compile.passes.local_collectives import elide_local_collectives
 from deft_compile.passes.markers import strip_markers
 from deft_compile.passes.optimizer_numerics import promote_bias_corrections
 from deft_compile.passes.schedule import ItemPhase, ScheduledItem, apply_schedule
+from deft_compile.step.regions import tag_regions
 
 Pass = Callable[[fx.GraphModule], fx.GraphModule]
 
@@ -94,6 +95,8 @@ def build_passes(
         ("remove_profiler_ops", remove_profiler_ops),
         ("remove_detach", remove_detach),
         ("promote_bias_corrections", promote_bias_corrections),
+        # before the plan's passes: regions are the capture's, whatever the plan (deft_compile.step.regions)
+        ("tag_regions", functools.partial(tag_regions, param_names=captured.model_state.param_names)),
     ]
     if group is not None and group.world_size > 1:
         passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))

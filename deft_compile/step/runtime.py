@@ -44,7 +44,7 @@ from deft_compile.errors import DeftError
 from deft_compile.step.optim_support import check_optimizer, hyperparameter_key, lr_inputs
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ItemPhase, ScheduledItem, accumulator_key, pending_key
 from deft_compile.step.links import open_link
-from deft_compile.step.lowering import StepLowering
+from deft_compile.step.lowering import StepLowering, lazy_graph_modules
 from deft_compile.step.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
 from deft_compile.planner.plan import LinkCost, Plan, Profile
 from deft_compile.preserver import Preserver
@@ -459,7 +459,9 @@ class CompiledStep:
 
     def _compile(self, key: tuple, args: tuple, kwargs: dict, phases: dict[int, ItemPhase], *, flush: bool) -> CompiledGraph:
         started = time.perf_counter()
-        captured = self._captured(args, kwargs).copy_for_passes()
+        captured = self._captured(args, kwargs)
+        with lazy_graph_modules():  # the passes' and the copy's code is generated once, when it first runs
+            captured = captured.copy_for_passes()
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
         dumper = GraphDumper(dump_dir, graph_index=self.trace_count)
         group = self._step_group or self.comm_group
@@ -467,8 +469,9 @@ class CompiledStep:
         # group, beside the all-reduces still in flight from the previous step.
         buffer_group = self._buffer_group if self._step_group is None else None
         guards = guard_options_for(self.config.max_grad_norm, self.config.norm_type, self.loss_scaler)
-        compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush,
-                                    guards=guards, buffer_group=buffer_group)
+        with lazy_graph_modules():
+            compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush,
+                                        guards=guards, buffer_group=buffer_group)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
         self._seconds["graphs"] += self.last_trace_seconds

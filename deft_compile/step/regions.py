@@ -1,0 +1,374 @@
+"""Compile the step's compute once, in regions; a plan only arranges collectives between them.
+
+Regions are fixed by the captured step, never by the plan (``tag_regions``, a pass that runs before the plan's
+passes). A computing node belongs to:
+
+* ``("forward", l)``: the forward from the first use of the ``l``-th layer's parameters up to the next layer's
+  (``l = -1`` before the first layer);
+* ``("backward", k)``: the backward after the ``k-1``-th gradient-ready node up to and including the ``k``-th
+  (``k = -1`` from the end of the forward to the first; the last index after the last gradient is ready);
+* ``("update", p)``: the optimizer update of parameter ``p``;
+* ``SCALAR``: a Python number computed from graph inputs alone (the learning rate's ``.item()`` and the arithmetic
+  on it), copied into every segment that reads it, so that regions take the rate as a tensor and an LR schedule
+  compiles nothing.
+
+These are the points where a plan may launch a collective (after a gradient is ready), wait for one (before a
+layer's first use, before an update) or hand a delayed gradient on. The plan's passes insert their nodes (bucket
+copies, collectives, waits, carries, guards) between regions and move whole update regions, so a region's nodes
+are the same whatever the plan.
+
+``RegionalProgram`` splits a rewritten step graph into segments in graph order: consecutive nodes of one region,
+and runs of the nodes the passes inserted ("glue", run as aten: collectives, waits and bucket copies are the
+plan's arrangement). ``RegionCache`` compiles each region segment with Inductor once per structure and input
+shapes, dtypes and strides: the same region in another plan's graph, in the flush graph or in a repeated
+transformer block is one compile, and a re-plan, a closed-loop trial, a duel or a flush compiles nothing new.
+Values are dropped after their last use, as in one graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import operator
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
+
+from deft_compile.ir.layout import layout_of
+from deft_compile.step.annotate import annotate
+
+log = logging.getLogger("deft_compile")
+
+REGION = "deft_region"  # node.meta key
+SCALAR = ("scalar",)
+_PLACEHOLDER_LIKE = ("placeholder", "output", "get_attr")
+
+
+# -- tagging ------------------------------------------------------------------------------------------------
+
+
+def tag_regions(gm: fx.GraphModule, param_names: Sequence[str] | None = None) -> fx.GraphModule:
+    """Record each computing node's region in ``node.meta["deft_region"]`` (see the module docstring).
+
+    ``param_names`` (the captured parameters' names) group parameters into blocks (``block_of``): a forward
+    region starts at a block's first parameter use and a backward region ends at the last gradient of a block
+    made ready before the next block's; without names every parameter is a block of its own."""
+    layout = layout_of(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = placeholders[: layout.num_params]
+    states_start = layout.num_params + layout.num_buffers
+    states: dict[int, list[fx.Node]] = {}
+    for (index, _key), node in zip(layout.state_inputs, placeholders[states_start: states_start + len(layout.state_inputs)]):
+        states.setdefault(index, []).append(node)
+    annotation = annotate(gm.graph, params, states)
+    order = annotation.order
+    block = [block_of(param_names[i]) if param_names is not None else str(i) for i in range(len(params))]
+    forward_end = order[annotation.forward_end]
+    first_use: dict[str, int] = {}
+    for a in annotation.params:
+        if a.first_forward_use is not None:
+            first_use[block[a.index]] = min(first_use.get(block[a.index], len(order)), order[a.first_forward_use])
+    layer_starts = sorted(set(first_use.values()))
+    ready = sorted((order[a.gradient_ready], block[a.index]) for a in annotation.params if a.gradient_ready is not None)
+    # a backward region ends where the next gradient made ready belongs to another block
+    ready_ends = [position for i, (position, name) in enumerate(ready) if i + 1 == len(ready) or ready[i + 1][1] != name]
+    update_of: dict[fx.Node, int] = {}
+    for a in annotation.params:
+        for node in a.update_nodes:
+            update_of.setdefault(node, a.index)
+    for node in gm.graph.nodes:
+        if node.op in _PLACEHOLDER_LIKE:
+            continue
+        position = order[node]
+        if _is_scalar(node):
+            region: tuple = SCALAR
+        elif node in update_of:
+            region = ("update", update_of[node])
+        elif position < forward_end:
+            region = ("forward", _last_at_or_before(layer_starts, position))
+        elif ready_ends and position <= ready_ends[-1]:
+            region = ("backward", _first_at_or_after(ready_ends, position))
+        else:
+            region = ("backward", len(ready_ends))
+        node.meta[REGION] = region
+    for node in gm.graph.nodes:  # a tuple's elements stay with the op that made the tuple
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            if REGION in node.args[0].meta:
+                node.meta[REGION] = node.args[0].meta[REGION]
+    return gm
+
+
+def block_of(name: str) -> str:
+    """The block a parameter belongs to: its name up to the first numeric part (``transformer.h.3`` of
+    ``transformer.h.3.attn.c_attn.weight``: one block of a stack), else its module (``transformer.wte``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor) or isinstance(value, (list, tuple)) or value is None:
+        return False
+    return all(arg.op == "placeholder" or arg.meta.get(REGION) == SCALAR for arg in node.all_input_nodes)
+
+
+def _last_at_or_before(positions: list[int], position: int) -> int:
+    index = -1
+    for i, start in enumerate(positions):
+        if start <= position:
+            index = i
+        else:
+            break
+    return index
+
+
+def _first_at_or_after(positions: list[int], position: int) -> int:
+    for i, end in enumerate(positions):
+        if end >= position:
+            return i
+    return len(positions)
+
+
+# -- the program ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Segment:
+    """Consecutive nodes of one region (``region`` set) or of glue (``region`` None), as a graph module of their
+    own: ``inputs`` are the values it reads from before it, ``outputs`` those read after it."""
+
+    region: tuple | None
+    module: fx.GraphModule
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    release: list[fx.Node] = dataclasses.field(default_factory=list)  # values last read here
+    key: str = ""  # structure digest (regions)
+
+    @property
+    def is_region(self) -> bool:
+        return self.region is not None
+
+
+class RegionalProgram:
+    """A rewritten step graph as segments run in order (see the module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        graph = gm.graph
+        self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.output_node = next(n for n in graph.nodes if n.op == "output")
+        runs: list[tuple[tuple | None, list[fx.Node]]] = []
+        for node in _glue_to_region_edges(graph):
+            region = _region_of(node)
+            if runs and runs[-1][0] == region:
+                runs[-1][1].append(node)
+            else:
+                runs.append((region, [node]))
+        self.segments = [self._segment(region, nodes) for region, nodes in runs]
+        self._plan_release()
+        regions = [s.region for s in self.segments if s.is_region]
+        self.split_regions = sorted({r for r in regions if regions.count(r) > 1}, key=str)
+        if self.split_regions:
+            log.debug("regions split by the plan's nodes (compiled per piece): %s", self.split_regions)
+
+    def _segment(self, region: tuple | None, nodes: list[fx.Node]) -> Segment:
+        members = set(nodes)
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs: list[fx.Node] = []
+
+        def value_of(arg: fx.Node) -> fx.Node:
+            if arg in env:
+                return env[arg]
+            if arg.meta.get(REGION) == SCALAR:  # copy the scalar's computation here, from graph inputs
+                env[arg] = graph.node_copy(arg, value_of)
+                return env[arg]
+            placeholder = graph.placeholder(f"in_{len(inputs)}")
+            placeholder.meta.update({k: v for k, v in arg.meta.items() if k == "val"})
+            inputs.append(arg)
+            env[arg] = placeholder
+            return placeholder
+
+        for node in nodes:
+            env[node] = graph.node_copy(node, value_of)
+        outputs = [n for n in nodes if any(user not in members for user in n.users)]
+        graph.output(tuple(env[n] for n in outputs))
+        module = _make_graph_module(self.gm, graph)  # lazy under lowering.lazy_graph_modules()
+        segment = Segment(region, module, inputs, outputs)
+        if region is not None:
+            segment.key = structure_key(graph)
+        return segment
+
+    def event_order(self) -> list[str]:
+        """What the program runs, in order: ``"region"`` per compiled region, and the plan's collectives (``"all_reduce"``,
+        ``"wait"``, ``"broadcast"``) where its glue runs them (for tests and ``explain``)."""
+        c10d = torch.ops._c10d_functional
+        names = {c10d.all_reduce.default: "all_reduce", c10d.all_reduce_.default: "all_reduce",
+                 c10d.wait_tensor.default: "wait", c10d.broadcast.default: "broadcast",
+                 c10d.broadcast_.default: "broadcast"}
+        events: list[str] = []
+        for segment in self.segments:
+            if segment.is_region:
+                events.append("region")
+                continue
+            events += [names[n.target] for n in segment.module.graph.nodes if n.op == "call_function" and n.target in names]
+        return events
+
+    def _plan_release(self) -> None:
+        last: dict[fx.Node, int] = {}
+        for index, segment in enumerate(self.segments):
+            for value in segment.inputs:
+                last[value] = index
+        kept = set(self.output_node.all_input_nodes)
+        for value, index in last.items():
+            if value not in kept and value.op != "placeholder":
+                self.segments[index].release.append(value)
+
+    def run(self, inputs: Sequence[Any], call: Callable[[Segment, list[Any]], Sequence[Any]]) -> Any:
+        env: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
+        for segment in self.segments:
+            results = call(segment, [env[value] for value in segment.inputs])
+            for node, value in zip(segment.outputs, results):
+                env[node] = value
+            for value in segment.release:
+                env.pop(value, None)
+        return fx.node.map_arg(self.output_node.args[0], lambda node: env[node] if node in env else _scalar(node, env))
+
+
+def _region_of(node: fx.Node) -> tuple | None:
+    return None if node.op == "get_attr" else node.meta.get(REGION)
+
+
+def _glue_to_region_edges(graph: fx.Graph) -> list[fx.Node]:
+    """The graph's computing nodes in run order, scalars left out, with the plan's nodes that the passes put inside
+    a region moved to its edge: after the region when nothing later in it reads them (a launch after a gradient
+    made ready inside a block's backward), else before it when they read nothing of it (a wait before a layer).
+    A node that both reads the region and is read by it stays, and splits the region."""
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output") and _region_of(n) != SCALAR]
+    position = {node: i for i, node in enumerate(nodes)}
+    members_of: dict[tuple, list[fx.Node]] = {}
+    for node in nodes:
+        region = _region_of(node)
+        if region is not None:
+            members_of.setdefault(region, []).append(node)
+    for region, members in members_of.items():
+        first, last = position[members[0]], position[members[-1]]
+        if last - first + 1 == len(members):
+            continue
+        member_set = set(members)
+        before: list[fx.Node] = []
+        after: list[fx.Node] = []
+        stuck = False
+        for node in nodes[first: last + 1]:
+            if node in member_set:
+                continue
+            reads_region = any(a in member_set for a in node.all_input_nodes)
+            read_later = any(u in member_set and position[u] > position[node] for u in node.users)
+            if not read_later and not _writes_region(node, member_set):
+                after.append(node)
+            elif not reads_region:
+                before.append(node)
+            else:
+                stuck = True
+                break
+        if stuck or _depends_on_any(before, after):
+            continue  # the region stays split (each piece compiles on its own)
+        span = before + members + after
+        nodes[first: last + 1] = span
+        for offset, node in enumerate(span):
+            position[node] = first + offset
+    return nodes
+
+
+def _depends_on_any(before: list[fx.Node], after: list[fx.Node]) -> bool:
+    """Whether a node moved before the region reads one moved after it (then the move would reorder them)."""
+    moved_after = set(after)
+    return any(a in moved_after for node in before for a in node.all_input_nodes)
+
+
+def _writes_region(node: fx.Node, members: set[fx.Node]) -> bool:
+    """Whether ``node`` writes in place into a tensor computed by the region (it must then stay where it is)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for argument, value in zip(schema.arguments, node.args):
+        if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
+            if value in members:
+                return True
+    return False
+
+
+def _scalar(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+    """A scalar node's value computed from the graph inputs (an output that is a Python number)."""
+    args = fx.node.map_arg(node.args, lambda a: env[a] if a in env else _scalar(a, env))
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a] if a in env else _scalar(a, env))
+    return node.target(*args, **kwargs)
+
+
+def structure_key(graph: fx.Graph) -> str:
+    """A digest of a graph's structure: each node's op, target and arguments (other nodes by position, constants
+    by value), not its names, so two layers of the same shape and code get one key."""
+    position: dict[fx.Node, int] = {}
+    lines = []
+
+    def describe(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return f"%{position[value]}"
+        if isinstance(value, (list, tuple)):
+            return type(value)(describe(v) for v in value)
+        if isinstance(value, dict):
+            return {k: describe(v) for k, v in value.items()}
+        return repr(value)
+
+    for node in graph.nodes:
+        position[node] = len(position)
+        target = node.target
+        if node.op == "placeholder":
+            value = node.meta.get("val")
+            target = (tuple(value.shape), str(value.dtype)) if isinstance(value, torch.Tensor) else type(value).__name__
+        lines.append(f"{node.op}|{target}|{describe(node.args)}|{describe(dict(node.kwargs))}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
+
+
+def input_signature(values: Sequence[Any]) -> tuple:
+    """What a compiled region is specialised on besides its structure: each input's shape, stride, dtype and
+    device (tensors), or its type (anything else)."""
+    return tuple(
+        (tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else type(v).__name__
+        for v in values
+    )
+
+
+# -- compiling and running ---------------------------------------------------------------------------------
+
+
+class RegionCache:
+    """Compiled regions by (structure, input signature); one per compiled step, shared by all its graphs."""
+
+    def __init__(self, compile_region: Callable[[Segment, Sequence[Any]], Callable[..., Any]]) -> None:
+        self._compile = compile_region
+        self.compiled: dict[tuple, Callable[..., Any]] = {}
+        self.seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self.compiled)
+
+    def get(self, segment: Segment, inputs: Sequence[Any]) -> tuple[Callable[..., Any], bool]:
+        """The compiled region for ``segment`` with these inputs, and whether it was compiled just now."""
+        key = (segment.key, input_signature(inputs))
+        compiled = self.compiled.get(key)
+        if compiled is not None:
+            return compiled, False
+        started = time.perf_counter()
+        compiled = self._compile(segment, inputs)
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
+        self.compiled[key] = compiled
+        return compiled, True
