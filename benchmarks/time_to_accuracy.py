@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
+    from deft_compile.compilers import COMPILERS
     from deft_compile.tools.bench import parse_rate
     from deft_compile.tools.time_to_accuracy import (
         DEFAULT_VARIANTS,
@@ -51,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="bucket cap for DDP and every deft variant (default: DDP's 25 MiB)")
-    parser.add_argument("--compiler", choices=("aten", "inductor"), default=defaults.compiler)
+    parser.add_argument("--compiler", choices=COMPILERS, default=defaults.compiler,
+                        help="the deft variants' DeftConfig.compiler (default: the library's); compiles count in the "
+                             "training clock and are reported apart")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--emulate-accelerator", action="store_true",
                         help="compute thread on core 0, gloo's threads on core 1 (DESIGN.md section 5)")

@@ -8,7 +8,7 @@ from typing import Any
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 from deft_compile.preserver import PreserverConfig
 from deft_compile.step.closed_loop import ClosedLoopConfig
-from deft_compile.step.lowering import check_compiler, default_compiler
+from deft_compile.compilers import check_compiler, default_compiler
 
 
 #: ``DeftConfig.delayed_update`` values: DESIGN.md §4's semantics, or the opt-in local-then-corrected one.

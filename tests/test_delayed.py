@@ -96,6 +96,28 @@ def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path, delayed_upd
         assert actual["preserver"] == expected["preserver"]
 
 
+@pytest.mark.parametrize("case", ["mlp_dropout_sgd", "transformer_tied_adamw_groups"])
+@pytest.mark.parametrize("options", ["deft", "deft-sync"])
+def test_checkpoint_resumes_bit_identically_on_the_inductor_route(tmp_path, case, options):
+    """Inductor's regions run from a graph's first call, so a resumed process runs the kernels the straight run
+    ran at the same step: bit-identical, with a pending delayed gradient in the checkpoint (``deft``) and without
+    (``deft-sync``), for SGD (with Dropout) and AdamW."""
+    path = str(tmp_path / "ckpt")
+    args = (None, "averaged", options, "inductor")
+    straight = run_local_workers(checkpoint_run, 2, (case, 0, 6, None, *args), timeout_s=400, collective_timeout_s=240)
+    first = run_local_workers(checkpoint_run, 2, (case, 0, 3, None, path, *args[1:]), timeout_s=400,
+                              collective_timeout_s=240)
+    resumed = run_local_workers(checkpoint_run, 2, (case, 3, 6, path, *args), timeout_s=400, collective_timeout_s=240)
+    for rank in range(2):
+        assert (first[rank].value["pending_before_save"] > 0) == (options == "deft")
+        expected, actual = straight[rank].value, resumed[rank].value
+        assert expected["compiler"] == actual["compiler"] == "inductor"
+        for name, tensor in expected["state"].items():
+            assert torch.equal(tensor, actual["state"][name]), f"rank {rank}: {name} differs after resuming"
+        for item, tensor in expected["pending"].items():
+            assert torch.equal(tensor, actual["pending"][item]), f"rank {rank}: pending item {item} differs"
+
+
 def test_measured_profile_is_agreed_and_followed():
     """No profile given: the first step measures compute and the link on each rank, the ranks agree on the
     maximum, solve the same plan, and training follows that plan's semantics exactly (SGD)."""

@@ -508,8 +508,9 @@ def compare_deft_with_delayed_reference(
 
 
 def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None, save: str | None,
-                   delayed_update: str = "averaged") -> dict:
-    """Train steps ``[start, stop)`` with deft (delays), optionally resuming from / saving to a checkpoint."""
+                   delayed_update: str = "averaged", options: str = "deft", compiler: str | None = None) -> dict:
+    """Train steps ``[start, stop)`` with deft (``POLICY_OPTIONS[options]``: delays by default), optionally resuming
+    from / saving to a checkpoint; ``compiler`` as ``DeftConfig``'s (the suite's default when None)."""
     make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
     torch.manual_seed(0)
     model = make_model()
@@ -519,7 +520,8 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
     scratch = copy.deepcopy(model)
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
-                        config=DeftConfig(plan_options=POLICY_OPTIONS["deft"], delayed_update=delayed_update))
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[options], delayed_update=delayed_update,
+                                          **({"compiler": compiler} if compiler else {})))
     if load is not None:
         checkpoint = torch.load(f"{load}.rank{rank}", weights_only=False)
         model.load_state_dict(checkpoint["model"])
@@ -535,7 +537,7 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
     state = {k: v.clone() for k, v in _named_state(model, optimizer).items()}
     pending = {k: v.clone() for k, v in step.state_dict()["pending"].items()}
     return {"state": state, "pending": pending, "step_count": step.step_count, "pending_before_save": pending_before_save,
-            "preserver": step.state_dict()["preserver"]}
+            "preserver": step.state_dict()["preserver"], "compiler": step.compiler}
 
 
 def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict:

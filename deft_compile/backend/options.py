@@ -99,7 +99,7 @@ def parse_options(options: Mapping[str, Any] | None) -> BackendOptions:
     if policy == "deft" and "delay" in options:
         raise ValueError("option 'delay' cannot be combined with policy='deft': the knapsack chooses the delays")
     kwargs["policy"] = policy
-    from deft_compile.step.lowering import check_compiler, default_compiler
+    from deft_compile.compilers import check_compiler, default_compiler
 
     compiler = options.get("compiler", None) or default_compiler()
     check_compiler(compiler, source="option 'compiler'")

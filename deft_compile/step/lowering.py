@@ -43,7 +43,6 @@ import contextlib
 import copy
 import logging
 import math
-import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -52,13 +51,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from deft_compile.compilers import check_compiler
 from deft_compile.passes.functional_collectives import functionalize_bucket_ops
 from deft_compile.passes.scalars import tensorize_item_reads
 
 log = logging.getLogger("deft_compile")
 
-COMPILERS: tuple[str, ...] = ("inductor", "inductor-graph", "aten")
-ENV_COMPILER = "DEFT_COMPILER"
+
 
 #: Inductor settings for step graphs: the FX order of collectives, waits and compute is kept, and
 #: random ops (Dropout) call ATen's generator as the aten graph and eager do (Inductor's own RNG would
@@ -87,18 +86,6 @@ def lazy_graph_modules() -> Any:
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     return _use_lazy_graph_module(True)
-
-
-def default_compiler() -> str:
-    """``$DEFT_COMPILER`` if set (the test suite sets ``aten``), else ``"inductor"``."""
-    value = os.environ.get(ENV_COMPILER, "inductor")
-    check_compiler(value, source=f"${ENV_COMPILER}")
-    return value
-
-
-def check_compiler(value: Any, source: str = "compiler") -> None:
-    if value not in COMPILERS:
-        raise ValueError(f"{source} must be one of {', '.join(map(repr, COMPILERS))}; got {value!r}")
 
 
 @dataclass
@@ -465,6 +452,7 @@ class StepLowering:
         self._lowered: "weakref.WeakKeyDictionary[fx.GraphModule, LoweredGraph]" = weakref.WeakKeyDictionary()
         self._seen: "weakref.WeakKeyDictionary[fx.GraphModule, int]" = weakref.WeakKeyDictionary()
         self._programs: "weakref.WeakKeyDictionary[fx.GraphModule, Any]" = weakref.WeakKeyDictionary()
+        self._templates: dict[tuple, Any] = {}  # region segments by node names, shared by the step's programs
         self.regions = None
         if compiler == "inductor":
             from deft_compile.step.regions import RegionCache
@@ -519,7 +507,7 @@ class StepLowering:
         program = self._programs.get(gm)
         if program is None:
             with lazy_graph_modules():
-                program = self._programs[gm] = RegionalProgram(gm)
+                program = self._programs[gm] = RegionalProgram(gm, self._templates)
         return program
 
     def _run_regions(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str) -> Sequence[Any]:

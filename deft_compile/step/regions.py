@@ -95,6 +95,19 @@ def tag_regions(gm: fx.GraphModule, param_names: Sequence[str] | None = None) ->
         else:
             region = ("backward", len(ready_ends))
         node.meta[REGION] = region
+    # the optimizer's nodes that read no parameter, state or gradient (a step counter created with ``zeros``, the
+    # bias corrections computed from it) belong to the one update that reads them, not to the end of the backward:
+    # otherwise a plan that leaves some updates out of a graph would change that region
+    update_start = max((order[a.gradient_marker] for a in annotation.params if a.gradient_marker is not None),
+                       default=len(order))
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op in _PLACEHOLDER_LIKE or order[node] <= update_start or node.meta.get(REGION) in (None, SCALAR):
+            continue
+        if node.meta[REGION][0] == "update":
+            continue
+        users = {user.meta.get(REGION) for user in node.users if user.op != "output"}
+        if len(users) == 1 and next(iter(users)) is not None and next(iter(users))[0] == "update":
+            node.meta[REGION] = next(iter(users))
     for node in gm.graph.nodes:  # a tuple's elements stay with the op that made the tuple
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             if REGION in node.args[0].meta:
@@ -159,8 +172,11 @@ class Segment:
 class RegionalProgram:
     """A rewritten step graph as segments run in order (see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, templates: dict[tuple, "Segment"] | None = None) -> None:
+        """``templates``: region segments of earlier programs of the same capture, by the names of their nodes and
+        inputs (names survive the copy each step graph starts from), reused instead of extracted again."""
         self.gm = gm
+        self._templates = templates if templates is not None else {}
         graph = gm.graph
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in graph.nodes if n.op == "output")
@@ -180,6 +196,22 @@ class RegionalProgram:
 
     def _segment(self, region: tuple | None, nodes: list[fx.Node]) -> Segment:
         members = set(nodes)
+        if region is not None:
+            named = {n.name: n for n in nodes}
+            inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
+                                        if a not in members and a.meta.get(REGION) != SCALAR))
+            outputs = [n for n in nodes if any(user not in members for user in n.users)]
+            signature = (region, tuple(named), tuple(a.name for a in inputs), tuple(n.name for n in outputs))
+            template = self._templates.get(signature)
+            if template is not None:
+                return dataclasses.replace(template, inputs=inputs, outputs=outputs, release=[])
+            segment = self._extract(region, nodes, members)
+            if [a.name for a in segment.inputs] == [a.name for a in inputs]:
+                self._templates[signature] = segment
+            return segment
+        return self._extract(region, nodes, members)
+
+    def _extract(self, region: tuple | None, nodes: list[fx.Node], members: set[fx.Node]) -> Segment:
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         inputs: list[fx.Node] = []

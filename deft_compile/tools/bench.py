@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from deft_compile.compilers import COMPILERS, default_compiler
+
 MiB = 1 << 20
 POLICY_CHOICES = ("wfbp", "deft", "bytescheduler", "usbyte", "dssync", "deft-no-preserver", "deft-priority-sync")
 # Bench variants that are a policy with other settings: name -> (policy, {"preserver" or "closed_loop": fields of
@@ -236,7 +238,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
             runners[name] = eager_step(torch.compile(ddp), optimizer, preset.loss_fn)
         elif name in ("floor", OVERLAP_BOUND):
             step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo,
-                                config=DeftConfig(compiler=cfg.get("compiler", "aten")))
+                                config=DeftConfig(compiler=cfg["compiler"]))
             if step.world_size != 1:
                 raise RuntimeError("the floor must train locally (one-rank group)")
             runners[name] = step if name == "floor" else overlap_bound_step(step, grad_bytes, bound_group)
@@ -244,7 +246,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
             policy, settings = POLICY_VARIANTS.get(name, (name, {}))
             links = tuple(cfg["extra_links"]) if policy == "deft" else ()
             step = deft_compile(model, optimizer, preset.loss_fn, policy=policy,
-                                config=DeftConfig(links=links, compiler=cfg.get("compiler", "aten"),
+                                config=DeftConfig(links=links, compiler=cfg["compiler"],
                                                   contention=cfg.get("contention", 0.0),
                                                   preserver=PreserverConfig(**settings.get("preserver", {})),
                                                   closed_loop=ClosedLoopConfig(**settings.get("closed_loop", {}))))
@@ -372,8 +374,15 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         if rank == 0:
             measured = _wait_share(target)
 
+    # what a user lives through: from a variant's first call, its warm-up (compiles, planning, closed-loop trials)
+    # and its timed steps (this rank's own wall clock; the interleaved blocks of the other variants left out)
+    first_call_s = {name: warmup_s[name] + sum(end - begin for begin, end in zip(spans[name][::2], spans[name][1::2]))
+                    for name in names}
     result: dict[str, Any] = {"samples_ms": samples, "samples_by_rank_ms": by_rank, "block_wall_ms": block_wall,
                               "schedule_ms": schedule, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
+                              "first_call_s": first_call_s,
+                              "overheads": {n: {k: v for k, v in s.overheads.items() if isinstance(v, (int, float))}
+                                            for n, s in compiled.items()},
                               "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff}
     if rank == 0:
         result.update(
@@ -584,6 +593,11 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
             "exposed_comm_ms": step[name] - floor if floor is not None and name in step else None,
             "final_loss": statistics.fmean(loss_tail) if loss_tail else None,
             "warmup_s": value["warmup_s"][name],
+            # wall-clock from the variant's first call (warm-up with its compiles, planning and trials, then the timed
+            # steps), and the compile and planning seconds inside it
+            "first_call_s": (value.get("first_call_s") or {}).get(name),
+            "compile_s": (value.get("overheads") or {}).get(name, {}).get("compile_seconds"),
+            "planning_s": (value.get("overheads") or {}).get(name, {}).get("planning_seconds"),
             "timed_steps": len(times),
             "retraced_steps": sum(1 for r in retraced[name] if r),
             # the same statistic without the Preserver's own measurements (probes, copies, replays): the time of
@@ -657,12 +671,12 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
                batch: int | None = None, progress: bool = True, timeout_s: float = 900.0,
                include_ddp: bool = True, measured_timeline: str | None = None, prefix: str = "deftbench",
                label: str | None = None, network_info: dict[str, Any] | None = None,
-               compiler: str = "aten", contention: float | None = 0.0) -> dict[str, Any]:
+               compiler: str | None = None, contention: float | None = 0.0) -> dict[str, Any]:
     """One launch: every variant of one model on one network. Returns the run's record (rows, samples, plans).
 
-    ``compiler`` runs the compiled variants' graphs (``DeftConfig.compiler``). ``"aten"`` by default here: the
-    eager DDP baseline runs the same aten kernels, so ratios measure the communication schedule alone, and an
-    Inductor compile of every graph variant costs about a minute each on a cold cache on this CPU.
+    ``compiler`` runs the compiled variants' graphs (``DeftConfig.compiler``; None: the library's default, what a
+    user gets). Every row counts the wall-clock from a variant's first call (``first_call_s``: its warm-up, compiles,
+    planning and closed-loop trials, then its timed steps) and reports the compile and planning seconds apart.
     ``contention`` is the compiled variants' ``DeftConfig.contention`` (None: measured).
     """
     from deft_compile.tools.launcher import run_local_workers
@@ -675,7 +689,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         net = network_info or stack.enter_context(network(bandwidth, links, workers, bandwidth2, prefix))
         cfg = {"model": model, "batch": batch, "variants": variants, "warmup": warmup, "rounds": rounds,
                "block": block, "progress": progress, "extra_links": list(net["extra_links"]), "batch_pool": 8,
-               "link_repeats": 3, "measured_timeline": measured_timeline, "compiler": compiler,
+               "link_repeats": 3, "measured_timeline": measured_timeline, "compiler": compiler or default_compiler(),
                "contention": contention,
                "label": label or f"{model} @ {bandwidth or 'unshaped'}"}
         results = run_local_workers(bench_worker, workers, (cfg,), timeout_s=timeout_s, collective_timeout_s=300.0,
@@ -735,7 +749,8 @@ def calibrate_rate(model: str, target: float, common: dict[str, Any], *, tries: 
 def format_table(runs: Sequence[dict[str, Any]]) -> str:
     """The results table: one line per (model, network, variant)."""
     header = (f"{'model':<12}{'network':<14}{'variant':<14}{'step ms':>9}{'median':>8}{'vs floor':>9}{'vs DDP':>8}"
-              f"{'paired':>8}{'exposed ms':>11}{'final loss':>11}{'sim ms':>8}{'retraced':>9}")
+              f"{'paired':>8}{'exposed ms':>11}{'final loss':>11}{'sim ms':>8}{'retraced':>9}{'wall s':>8}"
+              f"{'compile s':>10}")
     lines = [header, "-" * len(header)]
     for run in runs:
         net = (run["bandwidth"] or "unshaped") + (f"+{run['bandwidth2'] or 'unsh.'}" if run["links"] == 2 else "")
@@ -747,7 +762,8 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
                          f"{fmt('median_ms', '{:.1f}'):>8}{fmt('vs_floor', '{:.2f}x'):>9}"
                          f"{fmt('vs_ddp', '{:.2f}x'):>8}{fmt('paired_vs_ddp', '{:.2f}x'):>8}"
                          f"{fmt('exposed_comm_ms', '{:.1f}'):>11}{fmt('final_loss', '{:.4f}'):>11}"
-                         f"{fmt('predicted_ms', '{:.1f}'):>8}{row.get('retraced_steps', 0):>9}")
+                         f"{fmt('predicted_ms', '{:.1f}'):>8}{row.get('retraced_steps', 0):>9}"
+                         f"{fmt('first_call_s', '{:.1f}'):>8}{fmt('compile_s', '{:.1f}'):>10}")
     return "\n".join(lines)
 
 
@@ -931,10 +947,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--measure-contention", action="store_true",
                         help="the compiled variants measure Profile.contention on their first step "
                              "(DeftConfig(contention=None)); default 0, an accelerator's")
-    parser.add_argument("--compiler", choices=("aten", "inductor"), default="aten",
-                        help="what runs the compiled variants' graphs (default aten: the same kernels as eager DDP, so "
-                             "the ratios measure the schedule; inductor compiles each graph variant, about a minute "
-                             "each on a cold cache here)")
+    parser.add_argument("--compiler", choices=COMPILERS, default=None,
+                        help="what runs the compiled variants' graphs (DeftConfig.compiler; default: the library's, "
+                             "$DEFT_COMPILER or inductor; aten runs the kernels eager DDP runs, so ratios measure the "
+                             "schedule alone)")
     tta = parser.add_argument_group(
         "time to accuracy",
         "--time-to-accuracy trains a GPT-2 (transformers config, bytes) on the stdlib's sources with DDP, deft, deft "

@@ -1,0 +1,202 @@
+"""The first steps a user lives through: ``deft_compile`` with its defaults, wall-clock from the first call.
+
+    python benchmarks/first_steps.py                          # both models, 3 cold + 3 warm launches, 120 steps
+    python benchmarks/first_steps.py --models transformer --launches 1 --steps 40 --out /tmp/first
+
+Each launch starts 2 gloo workers (unshaped loopback) that build the model, call ``deft_compile(model, optimizer,
+loss_fn)`` with every default (policy ``deft``, Inductor in regions, the closed loop, the Preserver) and time every
+call from the first. A launch is *cold* when Inductor's caches start empty (a fresh ``TORCHINDUCTOR_CACHE_DIR``),
+*warm* when it reuses the caches a cold launch of the same model filled. Per launch:
+
+* ``stall_share``: the wall time of steps over 3x the median step, over the whole wall time (compiles, planning,
+  graph building, the Preserver's probes and closed-loop trials all land in such steps);
+* ``replan_steps``: per plan switch after the first compile (the closed loop's trials and duels, the Preserver's
+  decisions), the time the switching call and the next one took beyond two median steps, in median steps;
+* ``compile_s``, ``planning_s``, ``graph_s``, ``probe_s``: the runtime's own accounts (``CompiledStep.overheads``);
+* ``--compare-lowering``: the steady step of regional lowering against whole-graph lowering (``inductor-graph``),
+  both in one process pair, interleaved blocks after both compiled.
+
+Models: ``transformer``: GPT-2 layout, 6 blocks x 256, vocab 4096, context 128, batch 8, AdamW; ``cnn``: a ResNet
+(4 stages x 2 basic blocks, BatchNorm) on 32x32 images, batch 16, SGD momentum 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STALL_FACTOR = 3.0
+
+
+def build(model: str, rank: int, steps: int) -> tuple[Any, Any, Any, list[tuple]]:
+    import torch
+    import torch.nn.functional as F
+
+    from deft_compile.tools.presets import GPT2Style, ResNetStyle
+
+    torch.manual_seed(0)
+    if model == "transformer":
+        net = GPT2Style(vocab=4096, dim=256, heads=4, layers=6, context=128)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        batches = [(torch.randint(0, 4096, (8, 128), generator=g), torch.randint(0, 4096, (8, 128), generator=g))
+                   for _ in range(steps)]
+        return net, optimizer, None, batches
+    if model == "cnn":
+        net = ResNetStyle()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        g = torch.Generator().manual_seed(100 + rank)
+        batches = [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+                   for _ in range(steps)]
+        return net, optimizer, F.cross_entropy, batches
+    raise ValueError(f"unknown model {model!r}: transformer or cnn")
+
+
+def first_steps_worker(rank: int, world_size: int, model: str, steps: int) -> dict[str, Any]:
+    """One rank: the defaults from the first call, every call timed."""
+    from deft_compile import deft_compile
+
+    net, optimizer, loss_fn, batches = build(model, rank, steps)
+    started = time.perf_counter()
+    step = deft_compile(net, optimizer, loss_fn)
+    construct_s = time.perf_counter() - started
+    times, switched, traced = [], [], []
+    for args in batches:
+        switches, traces = step.plan_switches, step.trace_count
+        begun = time.perf_counter()
+        step(*args)
+        times.append(time.perf_counter() - begun)
+        switched.append(step.plan_switches != switches)
+        traced.append(step.trace_count != traces)
+    return {"construct_s": construct_s, "times": times, "switched": switched, "traced": traced,
+            "overheads": dict(step.overheads), "compiles": len(step.lowering.history),
+            "compile_history": step.lowering.history[-40:], "plan_history": step.plan_history,
+            "delayed_items": sum(1 for item in step.plan.items if item.delay), "compiler": step.compiler}
+
+
+def summarise(value: dict[str, Any]) -> dict[str, Any]:
+    """The launch's figures from one rank's record (see the module docstring)."""
+    times = value["times"]
+    median = statistics.median(times)
+    total = value["construct_s"] + sum(times)
+    stalls = [t for t in times if t > STALL_FACTOR * median]
+    first_compile = next((i for i, t in enumerate(times) if t <= STALL_FACTOR * median), len(times))
+    replans = []
+    for i, switched in enumerate(value["switched"]):
+        if switched and i >= first_compile:
+            cost = sum(times[i: i + 2]) - 2 * median
+            replans.append(round(cost / median, 2))
+    over = value["overheads"]
+    return {"wall_s": total, "median_step_ms": median * 1e3, "stall_share": sum(stalls) / total,
+            "stall_steps": len(stalls), "replan_steps": replans, "worst_replan_steps": max(replans, default=0.0),
+            "compile_s": over.get("compile_seconds"), "planning_s": over.get("planning_seconds"),
+            "graph_s": over.get("graph_seconds"), "probe_s": over.get("probe_seconds"),
+            "compiles": value["compiles"], "graphs": over.get("graphs"), "delayed_items": value["delayed_items"],
+            "compiler": value["compiler"], "first_steps_ms": [round(t * 1e3) for t in times[:6]]}
+
+
+def lowering_worker(rank: int, world_size: int, model: str, rounds: int, block: int) -> dict[str, Any]:
+    """Regional against whole-graph lowering, the same synchronous plan (wfbp), interleaved blocks."""
+    import copy
+
+    import torch.distributed as dist
+
+    from deft_compile import DeftConfig, deft_compile
+
+    net, optimizer, loss_fn, batches = build(model, rank, 8)
+    steps = {}
+    for compiler in ("inductor", "inductor-graph"):
+        copy_net = copy.deepcopy(net)
+        opt = type(optimizer)(copy_net.parameters(), **{k: v for k, v in optimizer.defaults.items()})
+        steps[compiler] = deft_compile(copy_net, opt, loss_fn, policy="wfbp", config=DeftConfig(compiler=compiler))
+        for i in range(4):  # the whole graph compiles on its second call
+            steps[compiler](*batches[i])
+    samples: dict[str, list[float]] = {c: [] for c in steps}
+    for r in range(rounds):
+        order = list(steps) if r % 2 == 0 else list(reversed(list(steps)))
+        for compiler in order:
+            dist.barrier()
+            begun = time.perf_counter()
+            for i in range(block):
+                steps[compiler](*batches[i % len(batches)])
+            samples[compiler].append((time.perf_counter() - begun) / block * 1e3)
+    ratios = [a / b for a, b in zip(samples["inductor"], samples["inductor-graph"])]
+    return {"samples_ms": samples, "ratios": ratios, "compilers": {c: s.compiler for c, s in steps.items()}}
+
+
+def launch(model: str, steps: int, cache_dir: str) -> dict[str, Any]:
+    from deft_compile.tools.launcher import run_local_workers
+
+    env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    results = run_local_workers(first_steps_worker, 2, (model, steps), timeout_s=3600, collective_timeout_s=600,
+                                env=env, start_method="spawn")
+    return {"rank0": summarise(results[0].value), "rank1": summarise(results[1].value),
+            "plan_history": results[0].value["plan_history"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="transformer,cnn")
+    parser.add_argument("--launches", type=int, default=3, help="cold launches per model (each followed by a warm one)")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--compare-lowering", action="store_true", help="also regional vs whole-graph steady step")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument("--out", default="first_steps_out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"command": "python benchmarks/first_steps.py " + " ".join(argv or sys.argv[1:]),
+                              "host": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()}, "models": {}}
+    for model in args.models.split(","):
+        runs = []
+        for index in range(args.launches):
+            with tempfile.TemporaryDirectory(prefix="deft-inductor-cache-") as cache:
+                for mode in ("cold", "warm"):
+                    started = time.perf_counter()
+                    result = launch(model, args.steps, cache)
+                    result.update(mode=mode, launch=index, seconds=time.perf_counter() - started)
+                    runs.append(result)
+                    r = result["rank0"]
+                    print(f"{model} {mode} #{index}: wall {r['wall_s']:.1f} s, median step {r['median_step_ms']:.1f} "
+                          f"ms, stalls {r['stall_share']:.0%} ({r['stall_steps']} steps), compile {r['compile_s']:.1f} s,"
+                          f" {r['compiles']} regions, planning {r['planning_s']:.1f} s, graphs {r['graph_s']:.1f} s, "
+                          f"re-plans (steps) {r['replan_steps']}", flush=True)
+                    (out / "first_steps.json").write_text(json.dumps(report | {"partial": {model: runs}}, indent=1))
+        report["models"][model] = {"runs": runs}
+        for mode in ("cold", "warm"):
+            rows = [r["rank0"] for r in runs if r["mode"] == mode]
+            report["models"][model][mode] = {
+                key: statistics.median(row[key] for row in rows)
+                for key in ("wall_s", "median_step_ms", "stall_share", "worst_replan_steps", "compile_s")}
+            report["models"][model][mode]["spread_stall_share"] = [min(r["stall_share"] for r in rows),
+                                                                   max(r["stall_share"] for r in rows)]
+        if args.compare_lowering:
+            from deft_compile.tools.launcher import run_local_workers
+
+            values = [r.value for r in run_local_workers(lowering_worker, 2, (model, args.rounds, args.block),
+                                                         timeout_s=3600, collective_timeout_s=600,
+                                                         start_method="spawn")]
+            ratios = values[0]["ratios"]
+            report["models"][model]["lowering"] = {"ratios_regional_over_whole": ratios,
+                                                   "median_ratio": statistics.median(ratios),
+                                                   "samples_ms": values[0]["samples_ms"]}
+            print(f"{model}: regional / whole-graph steady step, median of {len(ratios)} interleaved rounds: "
+                  f"{statistics.median(ratios):.3f} ({[round(r, 3) for r in ratios]})", flush=True)
+        (out / "first_steps.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({m: {k: v for k, v in d.items() if k != "runs"} for m, d in report["models"].items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
