@@ -55,6 +55,7 @@ from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL
 from deft_compile.planner.solvers import POLICIES, solve, solve_wfbp
 from deft_compile.step.policy_runtime import PolicyRuntime, runtime_for
 from deft_compile.step.closed_loop import ClosedLoop
+from deft_compile.step.compensation import compensation_for, family_of
 from deft_compile.step.thread_clock import ThreadClock
 from deft_compile.timing import clock_for
 
@@ -85,6 +86,8 @@ class CompiledStep:
         profile: Profile | None = None,
     ) -> None:
         check_optimizer(optimizer)
+        if config.delayed_update == "compensated":
+            family_of(optimizer)  # refuses an optimizer it cannot compensate, before anything runs
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         policy_runtime = runtime_for(policy)
@@ -469,9 +472,11 @@ class CompiledStep:
         # group, beside the all-reduces still in flight from the previous step.
         buffer_group = self._buffer_group if self._step_group is None else None
         guards = guard_options_for(self.config.max_grad_norm, self.config.norm_type, self.loss_scaler)
+        compensation = (compensation_for(self._items, self.optimizer, captured.model_state.params)
+                        if self.config.delayed_update == "compensated" else None)
         with lazy_graph_modules():
             compiled = compile_captured(captured, self._items, group, self.config, dumper, phases=phases, flush=flush,
-                                        guards=guards, buffer_group=buffer_group)
+                                        guards=guards, buffer_group=buffer_group, compensation=compensation)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
         self._seconds["graphs"] += self.last_trace_seconds
