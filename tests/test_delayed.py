@@ -68,7 +68,7 @@ def test_every_item_communicates_once_per_step(delayed_report):
     assert per_rank[0]["collectives"] == per_rank[1]["collectives"]
 
 
-@pytest.mark.parametrize("delayed_update", ["averaged", "local"])
+@pytest.mark.parametrize("delayed_update", ["averaged", "local", "compensated"])
 def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path, delayed_update):
     """Each rank saves its step (``state_dict()`` communicates nothing) and resumes bit-identically; with
     ``delayed_update="local"`` each rank's own replica and pending local gradient."""

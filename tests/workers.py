@@ -355,8 +355,7 @@ class PlanReference:
         return averaged
 
     def _compensated_names(self) -> set[str]:
-        return {name for name, (delay, period, _) in self.schedule.items() if delay and period == 1} \
-            if self.compensated else set()
+        return {name for name, (delay, _period, _) in self.schedule.items() if delay} if self.compensated else set()
 
     def step(self, inputs, targets) -> None:
         for buffer in self.model.buffers():

@@ -28,10 +28,10 @@ def family_of(optimizer: torch.optim.Optimizer) -> str:
 
 def compensation_for(items: Sequence[ScheduledItem], optimizer: torch.optim.Optimizer,
                      params: Sequence[torch.Tensor]) -> Compensation:
-    """The compensation of the items applied at the next update with period 1 (one step of delay), on captured
-    parameter indices."""
+    """The compensation of the items applied at the next update (one update of delay, with or without an update
+    period or gradient accumulation), on captured parameter indices."""
     family = family_of(optimizer)
-    delayed = {s.param for item in items if item.apply == APPLY_NEXT_UPDATE and item.period == 1 for s in item.slices}
+    delayed = {s.param for item in items if item.apply == APPLY_NEXT_UPDATE for s in item.slices}
     group_of = {p: g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     rate_is_input = lr_is_input(optimizer)
     momentum, betas, eps, lr_input, lr = {}, {}, {}, {}, {}
