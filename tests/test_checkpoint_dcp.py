@@ -20,9 +20,9 @@ def straight() -> list:
     return [r.value for r in run_local_workers(dcp_checkpoint_run, 2, (CASE, 0, STOP, None, None), timeout_s=240)]
 
 
-@pytest.mark.parametrize("save_at", [1, 4])
+@pytest.mark.parametrize("save_at", [1])
 def test_dcp_checkpoint_resumes_bit_identically(tmp_path, straight, save_at):
-    """Saved after step 1 (the delayed buckets' parameters have no optimizer state yet) and after step 4."""
+    """Saved after step 1: pending gradients, and the delayed buckets' parameters have no optimizer state yet."""
     path = str(tmp_path / "ckpt")
     first = run_local_workers(dcp_checkpoint_run, 2, (CASE, 0, save_at, None, path), timeout_s=240)
     resumed = run_local_workers(dcp_checkpoint_run, 2, (CASE, save_at, STOP, path, None), timeout_s=240)
