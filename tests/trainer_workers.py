@@ -1,4 +1,4 @@
-"""Workers for the ``transformers.Trainer`` integration (``DeftTrainer``) in 2 gloo processes.
+"""Workers for the ``transformers.Trainer`` integration (``DeftTrainer``) and the accelerate recipe, in 2 gloo processes.
 
 The Trainer finds the process group the launcher made (accelerate's ``MULTI_CPU``) from torchrun's variables,
 set here per rank. Models are ``tests/hf_models.py``'s tiny GPT-2 from a config (random weights, nothing
@@ -104,9 +104,10 @@ def _compare_params(actual: list[dict], expected: list[dict]) -> list[dict]:
     for a, e in zip(actual, expected):
         width = e["transformer.wte.weight"].shape[1]
         (rest_a, key_a), (rest_e, key_e) = _split_key_bias(a, width), _split_key_bias(e, width)
-        rel = max(float((rest_a[n] - rest_e[n]).abs().max() / rest_e[n].abs().max().clamp_min(1e-30)) for n in rest_e)
+        rels = {n: float((rest_a[n] - rest_e[n]).abs().max() / rest_e[n].abs().max().clamp_min(1e-30)) for n in rest_e}
+        worst = max(rels, key=rels.get)
         key = max((float((key_a[n] - key_e[n]).abs().max()) for n in key_e), default=0.0)
-        report.append({"max_rel": rel, "key_bias_abs": key, "compared": len(rest_e) + len(key_e),
+        report.append({"max_rel": rels[worst], "worst": worst, "key_bias_abs": key, "compared": len(rest_e) + len(key_e),
                        "missing": sorted(set(e) - set(a))})
     return report
 
@@ -244,3 +245,59 @@ def trainer_refusals(rank: int, world_size: int, output_dir: str) -> dict:
     except Exception as error:  # noqa: BLE001
         messages["optimizer"] = f"{type(error).__name__}: {error}"
     return messages
+
+
+def accelerate_recipe(rank: int, world_size: int, steps: int = 4) -> dict:
+    """The accelerate recipe (docs/INTEGRATIONS.md) against accelerate's own loop (``prepare(model, optimizer,
+    loader)``, ``accumulate``, ``backward``, ``clip_grad_norm_``), same model, data and seeds: bf16, accumulation 2,
+    clipping at 1.0, AdamW, ``policy="wfbp"``."""
+    _as_torchrun(rank, world_size)
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from deft_compile import DeftConfig, deft_compile
+
+    base, data = gpt2(layers=1)
+    accumulation = 2
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=accumulation, cpu=True)
+
+    # accelerate's loop: DDP, accumulate(), backward(), clip_grad_norm_()
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=2))
+    reference_type = type(model).__name__
+    reference, reference_losses = [], []
+    for index, batch in enumerate(loader):
+        if index == steps * accumulation:
+            break
+        with accelerator.accumulate(model):
+            torch.manual_seed(100 * rank + index)
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        reference_losses.append(float(loss.detach()))
+        if accelerator.sync_gradients:
+            reference.append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+
+    # the recipe: the loader prepared, the model prepared for evaluation only, the optimizer not at all
+    model = accelerator.prepare_model(copy.deepcopy(base), evaluation_mode=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+    loader = accelerator.prepare(DataLoader(data, batch_size=2))
+    step = deft_compile(model, optimizer, policy="wfbp",
+                        config=DeftConfig(max_grad_norm=1.0, accumulation_steps=accumulation, first_bucket_mb=0.01,
+                                          bucket_cap_mb=0.05))
+    deft, deft_losses = [], []
+    for index, batch in enumerate(loader):
+        if index == steps * accumulation:
+            break
+        torch.manual_seed(100 * rank + index)
+        deft_losses.append(float(step(**batch)))
+        if step.last_call_updated:
+            deft.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    collectives = count_collectives(lambda: [step(**batch) for _ in range(accumulation)])
+    return {"losses": deft_losses, "reference_losses": reference_losses, "params": _compare_params(deft, reference),
+            "updates": len(deft), "reference_type": reference_type,
+            "collectives": collectives, "buckets": len(step.items)}
