@@ -1,12 +1,12 @@
-"""``DeftTrainer`` (``deft_compile.integrations.transformers``) in 2 gloo processes, a tiny GPT-2 from a config:
+"""``DeftTrainer`` (``deft_compile.integrations.transformers``) in 2 gloo processes, a one-layer GPT-2 from a config:
 
 - ``policy="wfbp"`` equals the plain ``Trainer`` (DDP) update by update, with gradient accumulation 2, bf16, clipping
   at 1.0, the default fused AdamW and linear decay: logged losses and gradient norms within 1e-5 relative (measured:
   equal), parameters within 1e-5 relative (measured 2e-7; GPT-2's attention key bias, pure round-off under Adam,
   within 1e-4 absolute). One all-reduce per bucket per update, no DDP.
-- The plain ``Trainer`` around ``torch.compile(model, backend="deft")`` (``DDP(compiled)``) communicates once: the
-  backend's one all-reduce per backward (DDP's bucket and unused-parameter all-reduces are off; it was both before,
-  3 per update), with the plain Trainer's losses.
+- The plain ``Trainer`` around ``torch.compile(model, backend="deft")`` (``DDP(compiled)``; a small LM, which Dynamo
+  compiles quickly) communicates once: the backend's one all-reduce per backward (DDP's bucket and unused-parameter
+  all-reduces are off; it ran all three per update before), with the plain Trainer's losses.
 - Resuming a ``DeftTrainer`` checkpoint (a delaying ``deft`` plan with pending gradients, the Preserver on) on a fresh
   process pair continues bit-identically: losses, parameters, optimizer state, the Preserver's state.
 - Unsupported ``TrainingArguments`` raise clear errors at construction.
@@ -44,7 +44,7 @@ def test_wfbp_equals_plain_trainer_update_by_update(against_ddp):
         for t, (a, b) in enumerate(zip(deft["grad_norms"], plain["grad_norms"])):
             assert _rel(a, b) <= 1e-5, f"rank {rank} update {t}: grad norm {a} vs {b}"
         for t, entry in enumerate(report["params"]):
-            assert entry["compared"] > 20 and not entry["missing"], entry
+            assert entry["compared"] >= 15 and not entry["missing"], entry
             assert entry["max_rel"] <= 1e-5 and entry["key_bias_abs"] <= 1e-4, f"rank {rank} update {t}: {entry}"
 
 
@@ -59,8 +59,8 @@ def test_one_all_reduce_per_bucket_per_update(against_ddp):
 def test_ddp_of_compiled_under_trainer_communicates_once(against_ddp):
     for report in against_ddp:
         result = report["ddp_of_compiled"]
-        assert result["wrapped"] == "DistributedDataParallelWithoutGradientSync"
         assert result["collectives"] == [{"all_reduce": 1}]
+        assert result["wrapped"] == "DistributedDataParallelWithoutGradientSync"
         assert result["reference_collectives"][0]["all_reduce"] == 2  # DDP alone: its bucket and unused-parameter map
         for a, b in zip(result["losses"], result["reference_losses"], strict=True):
             assert _rel(a, b) <= 1e-5
