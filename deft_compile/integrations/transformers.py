@@ -37,6 +37,11 @@ callbacks, ``save_steps`` checkpoints and resuming. What runs instead:
   loads it, so a resumed run continues exactly. A checkpoint of a plain ``Trainer`` (no such files)
   resumes with a new step.
 
+Only ``policy="wfbp"`` reproduces Trainer's numbers under an LR schedule: an update a policy defers to
+the next call reads the learning rate of that call, which Trainer's scheduler has already stepped.
+Activation checkpointing with Dropout in the recomputed layers raises ``TraceError``
+(``deft_compile.step.recompute_check``).
+
 Refused with ``ValueError`` at construction: DeepSpeed, FSDP, ``torch_compile`` (the step is
 compiled already; ``DeftConfig(compiler="inductor")`` lowers it with Inductor), tensor/context/sequence
 parallelism, and ``DataParallel`` over several GPUs in one process. An optimizer deft_compile cannot
