@@ -117,6 +117,13 @@ def ddp_wrapped_scenarios(rank: int, world_size: int, steps: int = 3) -> dict:
     report["unwrapped"] = {"steps": entries, "trained": step.model is model, "buckets": len(step.items),
                            "ddp_after": count_collectives(lambda: loss_fn(wrapped(batches[0][0]), batches[0][1]).backward())}
 
+    # 1b. deft_compile(DDP(torch.compile(model))): the module inside both
+    model, optimizer = reference()
+    nested = DistributedDataParallel(torch.compile(model))
+    step = deft_compile(nested, optimizer, loss_fn, policy="wfbp")
+    loss = step(*batches[0])
+    report["compiled"] = {"trained": step.model is model, "finite": bool(torch.isfinite(loss))}
+
     # 2. a DDP inside the model
     holder = nn.Sequential(DistributedDataParallel(make_model()))
     try:

@@ -2,7 +2,7 @@
 the torch profiler, SGD with Nesterov momentum and Dropout, ranks starting from different weights):
 
 - ``deft_compile(DDP(model))`` trains ``model``, bit-identical to DDP alone, with one all-reduce per bucket per step
-  and none from DDP; the DDP object communicates nothing afterwards.
+  and none from DDP; the DDP object communicates nothing afterwards. ``DDP(torch.compile(model))`` too.
 - ``DDP(torch.compile(model, backend="deft"))`` (what ``transformers.Trainer`` builds around a compiled model):
   the backend's one all-reduce per bucket per backward, DDP's own none (also inside ``no_sync()``, which restores
   DDP's flag on exit), bit-identical to DDP alone. Without the rule it ran both (two all-reduces here).
@@ -33,6 +33,11 @@ def test_deft_compile_unwraps_ddp(reports):
             assert entry["counts"].get("all_reduce") == result["buckets"], f"rank {rank} step {t}: {entry['counts']}"
             assert entry["ddp_counts"].get("all_reduce") == 1  # DDP alone: one bucket at its 25 MiB cap
         assert result["ddp_after"] == {}, "the unwrapped DDP object must not communicate"
+
+
+def test_deft_compile_unwraps_a_compiled_module_inside_ddp(reports):
+    for report in reports:
+        assert report["compiled"]["trained"] and report["compiled"]["finite"]
 
 
 def test_ddp_of_compiled_communicates_once(reports):

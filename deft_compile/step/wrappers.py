@@ -8,6 +8,8 @@ model would average them a second time. The rules:
   step does itself), saying so once in the log.
 - ``deft_compile(model, ...)`` where ``model`` holds a DDP submodule raises ``DeftError``
   naming the submodule: its forward would run inside the traced step.
+- ``deft_compile(torch.compile(model), ...)`` (also inside DDP) trains ``model``: the step is
+  traced and compiled whole, and tracing through Dynamo's wrapper fails.
 - ``torch.compile(model, backend="deft")`` called inside a DDP forward (``DDP(compiled)``,
   what ``transformers.Trainer`` builds around a compiled model) turns that DDP's gradient
   all-reduce off, saying so once; its buffer broadcast stays, since the backend broadcasts
@@ -33,6 +35,7 @@ import threading
 
 import torch
 import torch.nn as nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.parallel import DistributedDataParallel
 
 from deft_compile.errors import DeftError, UnsupportedOptimizerError
@@ -120,13 +123,21 @@ def _silenced_class(base: type, keep_buffer_broadcast: bool) -> type:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module ``deft_compile`` trains: ``model.module`` for a DDP (whose communication is turned off), else
-    ``model``; a DDP inside the model raises ``DeftError``."""
-    if isinstance(model, DistributedDataParallel):
-        turn_off_ddp(model, keep_buffer_broadcast=False, reason=(
-            f"deft_compile() got a DistributedDataParallel: it trains the module inside "
-            f"({type(model.module).__name__}) and averages the gradients itself"))
-        model = model.module
+    """The module ``deft_compile`` trains: ``model.module`` for a DDP (whose communication is turned off), the
+    original module of a ``torch.compile``d one (the step is compiled whole, ``DeftConfig.compiler``; tracing
+    through Dynamo's wrapper fails), else ``model``; a DDP inside the model raises ``DeftError``."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            turn_off_ddp(model, keep_buffer_broadcast=False, reason=(
+                f"deft_compile() got a DistributedDataParallel: it trains the module inside "
+                f"({type(model.module).__name__}) and averages the gradients itself"))
+            model = model.module
+        elif isinstance(model, OptimizedModule):
+            log.info("deft_compile() got a torch.compile'd module: it traces the module inside (%s) and compiles the "
+                     "whole step itself (DeftConfig.compiler)", type(model._orig_mod).__name__)
+            model = model._orig_mod
+        else:
+            break
     inner = [name for name, module in model.named_modules() if isinstance(module, DistributedDataParallel)]
     if inner:
         raise DeftError(
