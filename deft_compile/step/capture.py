@@ -39,6 +39,7 @@ from deft_compile.errors import LossError, TraceError
 from deft_compile.outputs import loss_of
 from deft_compile.ir.layout import GraphLayout
 from deft_compile.step.optim_support import lr_inputs, traceable_optimizer
+from deft_compile.step.recompute_check import check_no_random_after_forward
 
 StateSlot = tuple[int, str]  # (parameter index, optimizer-state key)
 
@@ -265,6 +266,7 @@ def capture_step(
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the op and module named
         raise TraceError(tracker.describe_failure(exc)) from exc
+    check_no_random_after_forward(graph_module)  # activation checkpointing with Dropout (step/recompute_check.py)
     graph_module.meta["deft_layout"] = GraphLayout(
         num_params=num_params,
         num_buffers=num_buffers,
