@@ -334,7 +334,7 @@ class PlanReference:
     """
 
     def __init__(self, model, optimizer, loss_fn, schedule: dict[str, tuple[int, int, int]], world_size: int,
-                 max_grad_norm: float | None = None, local: bool = False, compensated: bool = False) -> None:
+                 max_grad_norm: float | None = None, local: bool = False, compensated: bool | str = False) -> None:
         import torch.distributed as dist
 
         self.dist = dist
@@ -346,7 +346,10 @@ class PlanReference:
         self.accumulated: dict[str, tuple[torch.Tensor, int]] = {}
         self.local = local
         self.local_pending: dict[str, torch.Tensor] = {}  # g_{t-1} / W, all-reduced in the next step
-        self.compensated = compensated  # delayed_update="compensated": CompensatedUpdate for the delayed parameters
+        # delayed_update="compensated": CompensatedUpdate for the delayed parameters ("predict-only" / "nesterov-only":
+        # one half of it, for experiments)
+        self.compensated = compensated
+        self._halves = {"predict": compensated != "nesterov-only", "nesterov": compensated != "predict-only"}
         self.t = 0
 
     def _average(self, total: torch.Tensor, count: int) -> torch.Tensor:
@@ -361,7 +364,7 @@ class PlanReference:
         for buffer in self.model.buffers():
             self.dist.broadcast(buffer, src=0)
         self.optimizer.zero_grad(set_to_none=True)
-        compensated = CompensatedUpdate(self.optimizer, self.model, self._compensated_names())
+        compensated = CompensatedUpdate(self.optimizer, self.model, self._compensated_names(), **self._halves)
         with compensated.predicted_weights():  # forward and backward at ŵ (compensated only)
             self.loss_fn(self.model(inputs), targets).backward()
         for name, p in self.model.named_parameters():
@@ -415,7 +418,7 @@ class PlanReference:
                 total, count = self.accumulated.pop(name)
                 p.grad = self._average(total, count)
         self._clip()
-        CompensatedUpdate(self.optimizer, self.model, self._compensated_names()).step()
+        CompensatedUpdate(self.optimizer, self.model, self._compensated_names(), **self._halves).step()
 
 
 class CompensatedUpdate:
@@ -424,8 +427,9 @@ class CompensatedUpdate:
     is no state yet), and their update in Nesterov form (SGD: w −= lr·(g + β v'); Adam, AdamW: the update divides
     β1 m' + (1 − β1) g). The optimizer updates every other parameter as usual."""
 
-    def __init__(self, optimizer, model, names: set[str]) -> None:
+    def __init__(self, optimizer, model, names: set[str], *, predict: bool = True, nesterov: bool = True) -> None:
         self.optimizer, self.names = optimizer, names
+        self.predict, self.nesterov = predict, nesterov  # each half alone: experiments (compensated_eager.py)
         self.params = {p: n for n, p in model.named_parameters() if n in names}
         self.group = {p: g for g in optimizer.param_groups for p in g["params"]}
 
@@ -447,7 +451,7 @@ class CompensatedUpdate:
         def swapped():
             saved = {}
             with torch.no_grad():
-                for p in self.params:
+                for p in (self.params if self.predict else ()):
                     direction = self._direction(p)
                     if direction is not None:
                         saved[p] = p.detach().clone()
@@ -477,7 +481,7 @@ class CompensatedUpdate:
         buf = state.get("momentum_buffer")
         buf = g.clone() if buf is None else buf.mul_(group["momentum"]).add_(g)
         state["momentum_buffer"] = buf
-        p.add_(g.add(buf, alpha=group["momentum"]), alpha=-group["lr"])
+        p.add_(g.add(buf, alpha=group["momentum"]) if self.nesterov else buf, alpha=-group["lr"])
 
     def _adam(self, p, g) -> None:
         group, state = self.group[p], self.optimizer.state[p]
@@ -494,7 +498,7 @@ class CompensatedUpdate:
         step = float(state["step"])
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        nesterov = state["exp_avg"].lerp(g, 1 - beta1)
+        nesterov = state["exp_avg"].lerp(g, 1 - beta1) if self.nesterov else state["exp_avg"]
         denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
         p.addcdiv_(nesterov, denom, value=-group["lr"] / (1 - beta1 ** step))
 
