@@ -313,6 +313,43 @@ def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, p
             "has_buffers": any(b.numel() for b in deft_model.buffers())}
 
 
+def policy_with_lr_schedule_beside_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
+                                       flush_after: tuple[int, ...] = ()) -> dict:
+    """``compare_policy_with_ddp`` with a learning rate that changes every step (a ``LambdaLR`` warm-up, stepped
+    after every step on both sides, as training loops do) and ``flush()`` after the steps in ``flush_after``,
+    training on after each. A plan that moves step t's update into call t+1 (or into a flush) must still apply
+    it at step t's learning rate, as DDP does."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    solver_policy = "deft" if policy == "deft-sync" else policy
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=solver_policy, profile=profile,
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[policy]))
+    factor = lambda t: (t + 1) / steps  # noqa: E731  a different rate at every step
+    schedulers = [LambdaLR(ddp_optimizer, factor), LambdaLR(deft_optimizer, factor)]
+    report = []
+    for t, (inputs, targets) in enumerate(batches):
+        # the first call after a flush applies nothing, so its deferred parameters hold no ``.grad``
+        entry, deferred = _step_beside_ddp(step, rank, t, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer,
+                                           deft_model, deft_optimizer, deferred_grads=t - 1 not in flush_after)
+        for scheduler in schedulers:
+            scheduler.step()
+        entry.update(step=t, deferred=len(deferred))
+        report.append(entry)
+        if t in flush_after:
+            step.flush()
+            flushed = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+            report.append({**flushed, "step": t, "flushed": True, "deferred": 0})
+    step.flush()
+    final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+    return {"steps": report, "final": final, "pending_after_flush": step.pending,
+            "rates": [group["lr"] for group in deft_optimizer.param_groups]}
+
+
 def _delayed_names(step) -> set[str]:
     return {step.profile.params[s.param].name for item in step.plan.items if item.delay == 1 for s in item.slices}
 

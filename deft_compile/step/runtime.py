@@ -42,7 +42,14 @@ from deft_compile.step.distributed import (
 from deft_compile.debug.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.step.optim_support import check_optimizer, hyperparameter_key, lr_inputs
-from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ItemPhase, ScheduledItem, accumulator_key, pending_key
+from deft_compile.passes.schedule import (
+    APPLY_NEXT_UPDATE,
+    ItemPhase,
+    ScheduledItem,
+    accumulator_key,
+    item_of_key,
+    pending_key,
+)
 from deft_compile.step.links import open_link
 from deft_compile.step.lowering import StepLowering, lazy_graph_modules
 from deft_compile.step.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
@@ -211,7 +218,7 @@ class CompiledStep:
     def pending(self) -> list[int]:
         """Ids of plan items with gradients not yet applied (pending communication or a partial
         accumulation of an update period); the next steps or ``flush`` apply them."""
-        return sorted({int(key.split(":")[1]) for key in self._carry})
+        return sorted({item_of_key(key) for key in self._carry} - {None})
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
