@@ -42,7 +42,14 @@ from deft_compile.step.distributed import (
 from deft_compile.debug.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.step.optim_support import check_optimizer, hyperparameter_key, lr_inputs
-from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ItemPhase, ScheduledItem, accumulator_key, pending_key
+from deft_compile.passes.schedule import (
+    APPLY_NEXT_UPDATE,
+    ItemPhase,
+    ScheduledItem,
+    accumulator_key,
+    item_of_key,
+    pending_key,
+)
 from deft_compile.step.links import open_link
 from deft_compile.step.lowering import StepLowering, lazy_graph_modules
 from deft_compile.step.pipeline import CommGroup, CompiledGraph, annotate_capture, compile_captured
@@ -107,6 +114,10 @@ class CompiledStep:
         self.last_grad_norm: torch.Tensor | None = None  # total gradient norm of the latest clipped update
         self.last_update_skipped = False  # loss scaling found an inf/NaN in the latest update and skipped it
         self.last_call_updated = False  # the last call applied an optimizer update (False while accumulating)
+        # the last call moved weights: False for a call that applies no update although it ends a cycle (the first
+        # call of a plan that moves every update into the next call, an update skipped for an inf/NaN)
+        self.last_call_moved_weights = False
+        self._run_moved_weights = False
         self.config = config
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.comm_group, self._process_group = resolve_group(process_group)
@@ -214,7 +225,7 @@ class CompiledStep:
     def pending(self) -> list[int]:
         """Ids of plan items with gradients not yet applied (pending communication or a partial
         accumulation of an update period); the next steps or ``flush`` apply them."""
-        return sorted({int(key.split(":")[1]) for key in self._carry})
+        return sorted({item_of_key(key) for key in self._carry} - {None})
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
@@ -244,6 +255,7 @@ class CompiledStep:
                 self._accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
         self._last_call = (args, kwargs)
         self.last_call_updated = self.updates_at(self.step_count)
+        self.last_call_moved_weights = self._run_moved_weights
         self.step_count += 1
         # the plan's own time: without the Preserver's measurements (they cost the same whichever plan runs and
         # are priced by the Preserver itself), and not a step that ran a graph cold (compiling, or its first run)
@@ -667,6 +679,7 @@ class CompiledStep:
         skipped = bool(found_inf) if found_inf is not None else False
         if found_inf is not None:
             self.last_update_skipped = skipped
+        self._run_moved_weights = bool(layout.gradient_outputs) and not skipped
         norm = carried.pop(GRAD_NORM_KEY, None)
         if norm is not None:
             self.last_grad_norm = norm
