@@ -313,7 +313,7 @@ def part_profiler(device, quick: bool, checks: Checks) -> None:
     import torch.fx as fx
 
     from deft_compile.planner.plan import LinkCost
-    from deft_compile.planner.profiler import attribute_times, measure_node_times
+    from deft_compile.step.profiler import attribute_times, measure_node_times
     from deft_compile.step.capture import capture_step, split_user_inputs
     from deft_compile.step.optim_support import lr_inputs
     from deft_compile.step.pipeline import annotate_capture
@@ -572,7 +572,7 @@ def part_overlap(device, quick: bool, checks: Checks, out_dir: Path) -> None:
     import emulated_link as el
 
     from deft_compile import DeftConfig, deft_compile
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
     from deft_compile.planner.simulator import simulate
     from deft_compile.preserver import PreserverConfig
     from deft_compile.step.closed_loop import ClosedLoopConfig
@@ -678,7 +678,7 @@ def part_accuracy(device, quick: bool, checks: Checks, out_dir: Path, compiler: 
     import emulated_link as el
 
     from deft_compile import DeftConfig, deft_compile
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
     from deft_compile.tools.corpus import load_stdlib_corpus, random_windows
     from deft_compile.tools.presets import GPT2Style
 

@@ -11,6 +11,18 @@ from deft_compile.step.closed_loop import ClosedLoopConfig
 from deft_compile.compilers import check_compiler, default_compiler
 
 
+#: what a ``DeftConfig.links`` spec may name: ``"gloo"``, ``"gloo:IFNAME"`` or ``"nccl"`` (``deft_compile.step.links``)
+LINK_KINDS = ("gloo", "nccl")
+
+
+def parse_link(spec: str) -> tuple[str, str | None]:
+    """(kind, interface or None) of a link spec; ``ValueError`` for anything else."""
+    kind, _, interface = spec.partition(":")
+    if kind not in LINK_KINDS or (kind == "nccl" and interface):
+        raise ValueError(f"unknown link {spec!r}: use 'gloo', 'gloo:IFNAME' or 'nccl'")
+    return kind, interface or None
+
+
 #: ``DeftConfig.delayed_update`` values: DESIGN.md §4's semantics, or the opt-in local-then-corrected one.
 DELAYED_UPDATES = ("averaged", "local")
 
@@ -122,7 +134,5 @@ class DeftConfig(BucketSizes):
         if self.contention is not None and not 0.0 <= self.contention <= 1.0:
             raise ValueError(f"contention must be in [0, 1], or None to measure it; got {self.contention}")
         check_compiler(self.compiler, source="DeftConfig.compiler")
-        from deft_compile.step.links import parse_link
-
         for spec in self.links:
             parse_link(spec)

@@ -186,7 +186,7 @@ def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, com
     import dataclasses
 
     from deft_compile.planner.plan import LinkCost
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
 
     profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
     params = [
@@ -565,7 +565,7 @@ def delaying_profile(model, optimizer, loss_fn, batch, world_size: int = 2):
     import dataclasses
 
     from deft_compile.planner.plan import LinkCost
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
 
     profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
     params = [dataclasses.replace(p, forward_ms=3.0, backward_ms=1.0, update_ms=0.01) for p in profile.params]
@@ -1095,13 +1095,13 @@ def dssync_buffer_groups(rank: int, world_size: int, average: str) -> dict:
 
 def group_thread_cores(rank: int, world_size: int) -> dict:
     """The cores the threads of two newly opened process groups may run on: one from ``dist.new_group``, one
-    from ``deft_compile.tools.emulation.new_group`` (what the library opens its groups with); and the calling
-    (compute) thread's."""
+    from ``deft_compile.step.distributed.new_group`` (what the library opens its groups with, in the context the
+    launcher's emulation registers); and the calling (compute) thread's."""
     import os
 
     import torch.distributed as dist
 
-    from deft_compile.tools.emulation import new_group
+    from deft_compile.step.distributed import new_group
 
     def threads() -> set[int]:
         return {int(tid) for tid in os.listdir("/proc/self/task")}
@@ -1277,7 +1277,7 @@ def contention_probe_run(rank: int, world_size: int) -> dict:
     """``measure_contention`` on the world group: a message long enough to time, and one too short."""
     import torch.distributed as dist
 
-    from deft_compile.planner.profiler import measure_contention
+    from deft_compile.step.profiler import measure_contention
 
     group = dist.group.WORLD
     return {"large": measure_contention(group, 64 << 20), "tiny": measure_contention(group, 64)}

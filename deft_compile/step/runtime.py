@@ -555,7 +555,7 @@ class CompiledStep:
                     links = [LinkCost(name, 0.0, 0.0) for name, _ in self._links]
                     self.profile = static_profile(captured, index, links, self.world_size)
                 else:
-                    from deft_compile.planner.profiler import profile_step
+                    from deft_compile.step.profiler import profile_step
 
                     user_tensors, _, _ = split_user_inputs(args, kwargs)
                     inputs = self._graph_inputs(captured.graph_module.meta["deft_layout"], captured, user_tensors)

@@ -209,7 +209,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     from deft_compile.preserver import PreserverConfig
     from deft_compile.step.closed_loop import ClosedLoopConfig
     from deft_compile.tools.bench_models import resolve_model
-    from deft_compile.planner.profiler import measure_allreduce
+    from deft_compile.step.profiler import measure_allreduce
 
     preset = resolve_model(cfg["model"])
     torch.manual_seed(0)
