@@ -575,7 +575,7 @@ def part_overlap(device, quick: bool, checks: Checks, out_dir: Path) -> None:
     from deft_compile.step.profiler import profile_model
     from deft_compile.planner.simulator import simulate
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
     from deft_compile.timing import clock_for, resolve_ms
 
     if device.type == "cuda":

@@ -7,7 +7,7 @@ from typing import Any
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 from deft_compile.preserver import PreserverConfig
-from deft_compile.step.closed_loop import ClosedLoopConfig
+from deft_compile.planner.closed_loop import ClosedLoopConfig
 from deft_compile.compilers import check_compiler, default_compiler
 
 
@@ -70,8 +70,9 @@ class DeftConfig(BucketSizes):
         loss_scale: ``"dynamic"`` for fp16 dynamic loss scaling inside the step with ``torch.amp.GradScaler``'s
             defaults and rules, or a ``torch.amp.GradScaler`` whose settings and scale tensors are used; an update
             whose gradients hold an inf or NaN is skipped on every rank. None: no scaling, as DDP.
-        closed_loop: closed-loop planning (``deft_compile.step.closed_loop``): measure the plan, refine the
-            profile, try the synchronous and re-solved plans, keep the fastest measured. On for ``deft``,
+        closed_loop: closed-loop planning (``deft_compile.planner.closed_loop``; ``deft_compile.step.closed_loop``
+            measures): measure the plan, refine the profile, try the synchronous and re-solved plans, keep the
+            fastest measured. On for ``deft``,
             ``bytescheduler`` and ``usbyte`` because a profile taken once on a few runs can be wrong for the
             running step.
         compiler: what runs the rewritten step graph: ``"inductor"`` (collectives and waits stay where the plan

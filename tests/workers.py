@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from deft_compile import DeftConfig, deft_compile
-from deft_compile.step.closed_loop import ClosedLoopConfig
+from deft_compile.planner.closed_loop import ClosedLoopConfig
 from models import CASES
 
 
@@ -819,7 +819,7 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
     measures compute from them while fitting the link to those times re-plans to profiles no model has (a plan
     with update periods, one more trial), which moves the steps the duel tests count on."""
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import PRIORITY_POLICIES, SYNCHRONOUS_DUEL, ClosedLoopConfig
+    from deft_compile.planner.closed_loop import PRIORITY_POLICIES, SYNCHRONOUS_DUEL, ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
@@ -869,7 +869,7 @@ def closed_loop_recheck_run(rank: int, world_size: int, steps: int, flip_at: int
     ``flip_at`` and 400 ms slower from then on (a host that got busy; None: never), every plan on a 1000 ms base.
     The loop settles on the plan with delays, re-checks it every 6 steps and must duel again once it slowed."""
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
@@ -897,7 +897,7 @@ def closed_loop_priority_run(rank: int, world_size: int, steps: int, replan_at: 
     priority plan (ByteScheduler's or US-Byte's), settle on it when it measures fastest (``inject`` makes it so),
     and run it instead of a synchronous re-plan made at step ``replan_at``. Every step is compared with torch DDP
     (parameters whose update moved to the next forward with DDP's previous step), and after ``flush()`` all."""
-    from deft_compile.step.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
+    from deft_compile.planner.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
     from deft_compile.preserver import PreserverConfig
 
     case = "mlp_dropout_sgd"
@@ -932,7 +932,7 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
     """deft settles on its delaying plan (measured faster than the synchronous one), then another re-plan (as the
     Preserver makes them, through ``switch_plan``) adopts a different delaying plan that measures 1 s slower: the
     closed loop must measure it and switch to the synchronous plan."""
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     from deft_compile.preserver import PreserverConfig
@@ -1048,7 +1048,7 @@ def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps
     """deft with the Preserver's trade: ``start_synchronous`` None resolves to on for a measured profile and off
     for a given one; on, the plan stays synchronous until the first trade (step 25) prices the delays."""
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     profile = profile if profile_given else None
@@ -1126,7 +1126,7 @@ def control_group_run(rank: int, world_size: int, steps: int) -> dict:
     import torch.distributed as dist
 
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(check_every=2),
@@ -1219,7 +1219,7 @@ def closed_loop_hybrid_run(rank: int, world_size: int, steps: int, priority_sche
     schedule, and still duel against the priority plan."""
     from deft_compile.passes.schedule import APPLY_NEXT_FORWARD, APPLY_NEXT_UPDATE
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import PRIORITY_POLICIES
+    from deft_compile.planner.closed_loop import PRIORITY_POLICIES
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),

@@ -207,7 +207,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     from deft_compile import DeftConfig, deft_compile
     from deft_compile.tools.emulation import new_group
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
     from deft_compile.tools.bench_models import resolve_model
     from deft_compile.step.profiler import measure_allreduce
 
