@@ -100,16 +100,16 @@ def _tiny_step(hidden: int, **config):
 def capture_counts(rank: int, world_size: int) -> list[int]:
     """How many times the step has been traced after each of 3 steps (SGD without momentum: no optimizer
     state, so one graph serves every step)."""
-    import deft_compile.step.runtime as runtime
+    import deft_compile.step.runner as runner
 
     calls = []
-    original = runtime.capture_step
+    original = runner.capture_step
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    runtime.capture_step = counting
+    runner.capture_step = counting
     try:
         step = _tiny_step(8)
         counts = []
@@ -118,7 +118,7 @@ def capture_counts(rank: int, world_size: int) -> list[int]:
             counts.append(len(calls))
         return counts
     finally:
-        runtime.capture_step = original
+        runner.capture_step = original
 
 
 def mismatched_models(rank: int, world_size: int) -> str:
@@ -741,7 +741,7 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
         torch.manual_seed(100 * rank + t)
         loss_fn(probe(inputs), targets).backward()
         local = torch.cat([dict(probe.named_parameters())[n].grad.reshape(-1) for n in names])
-        previous = step._carry.get("acc:0")
+        previous = step.carry.get("acc:0")
         if previous is not None:
             local = previous + local
         torch.manual_seed(100 * rank + t)
@@ -751,7 +751,7 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
         loss_fn(ddp(inputs), targets).backward()
         ddp_optimizer.step()
         applied = torch.cat([params[n].grad.reshape(-1) for n in names])
-        residual = step._carry.get("acc:0", torch.zeros_like(local))
+        residual = step.carry.get("acc:0", torch.zeros_like(local))
         conserved = applied * world_size
         total_residual = residual.clone()
         dist.all_reduce(total_residual)
@@ -769,8 +769,8 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
             "ddp_max_abs": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp_model.parameters())),
             "residual_norm": residual.norm().item(),
         })
-    had_residual = "acc:0" in step._carry
-    nonzero = torch.tensor(float(had_residual and bool(step._carry["acc:0"].count_nonzero())))
+    had_residual = "acc:0" in step.carry
+    nonzero = torch.tensor(float(had_residual and bool(step.carry["acc:0"].count_nonzero())))
     dist.all_reduce(nonzero, op=dist.ReduceOp.MAX)
     before_flush = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     step.flush()
@@ -778,7 +778,7 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
     reference = flat.clone()
     dist.broadcast(reference, src=0)
     return {"steps": report, "budget": step.plan.options["chunk_budget"], "chunks": step.plan.metadata["chunks"],
-            "had_residual": had_residual, "carry_after_flush": sorted(step._carry),
+            "had_residual": had_residual, "carry_after_flush": sorted(step.carry),
             "residual_nonzero_somewhere": bool(nonzero.item()), "flush_moved_weights": not torch.equal(before_flush, flat),
             "replicas_equal_after_flush": bool(torch.equal(flat, reference))}
 
@@ -1087,9 +1087,9 @@ def dssync_buffer_groups(rank: int, world_size: int, average: str) -> dict:
         inputs, targets = make_batch(data)
         dssync(inputs, targets)
     groups = _collective_groups(dssync)
-    step_group = dssync._step_group.name if dssync._step_group is not None else None
+    step_group = dssync.groups.step_group.name if dssync.groups.step_group is not None else None
     dssync.flush()
-    return {"dssync_buffer_group": dssync._buffer_group is not None, "wfbp_buffer_group": wfbp._buffer_group is not None,
+    return {"dssync_buffer_group": dssync.groups.buffer_group is not None, "wfbp_buffer_group": wfbp.groups.buffer_group is not None,
             "groups": groups, "step_group": step_group}
 
 
