@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.tools.launcher import run_local_workers
 from deft_compile.planner.plan import LinkCost, Profile
-from deft_compile.tools.presets import CausalLM, lm_loss
+from lm_models import CausalLM, lm_loss
 from deft_compile.preserver import PreserverConfig
 from deft_compile.step.profiler import profile_model
 

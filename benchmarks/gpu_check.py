@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for path in (str(HERE), str(ROOT / "tests")):
+for path in (str(HERE), str(ROOT / "tests"), str(ROOT / "examples")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
@@ -679,7 +679,7 @@ def part_accuracy(device, quick: bool, checks: Checks, out_dir: Path, compiler: 
 
     from deft_compile import DeftConfig, deft_compile
     from deft_compile.step.profiler import profile_model
-    from deft_compile.tools.corpus import load_stdlib_corpus, random_windows
+    from corpus import load_stdlib_corpus, random_windows  # examples/corpus.py
     from deft_compile.tools.presets import GPT2Style
 
     if device.type == "cuda":

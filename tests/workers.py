@@ -976,7 +976,7 @@ def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int, 
     from torch.optim.lr_scheduler import LambdaLR
 
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.tools import time_to_accuracy as tta
+    import tta  # benchmarks/tta.py
 
     torch.manual_seed(0)
     base = tta.build_model("tiny")

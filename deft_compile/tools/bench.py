@@ -1001,7 +1001,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "loss against wall-clock time and the time each needs to reach DDP's final validation loss "
         "(docs/TIME_TO_ACCURACY.md). Uses --steps, --bandwidth, --workers, --batch, --compiler, --json, --plot "
         "(PNG name stem: <stem>_time.png, <stem>_steps.png), --timeout, --no-progress; ignores the others.")
-    tta.add_argument("--time-to-accuracy", action="store_true", help="run the time-to-accuracy benchmark instead")
+    tta.add_argument("--time-to-accuracy", action="store_true", help="run the time-to-accuracy benchmark instead (from a checkout: benchmarks/tta.py)")
     tta.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds, one launch each (default 0 1)")
     tta.add_argument("--size", choices=("tiny", "small", "medium"), default="small",
                      help="GPT-2 size: tiny 0.1 M (tests), small 6.1 M (default), medium 10 M parameters")
