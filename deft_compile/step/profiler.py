@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from typing import Any, Callable, Sequence
 
 import torch

@@ -89,7 +89,7 @@ class CompiledStep:
                                  self.dump_dir, policy_runtime.record_stats)
         self.planning = StepPlanning(policy, policy_runtime, config, self.groups, self.runner, self.loss_scaler,
                                      self.dump_dir, profile, step=self)
-        self._timer = StepTimer(self.clock, self.lowering, cpu_timed=device.type == "cpu")
+        self._timer = StepTimer(self.lowering, cpu_timed=device.type == "cpu")
         self.groups.open(model, optimizer, policy, config, controllers=self.planning.has_controllers(),
                          picks_groups=policy_runtime.picks_groups)
 
@@ -101,7 +101,7 @@ class CompiledStep:
             runner.use_step_group(self.policy_runtime.step_group(self))
         compiled, user_tensors, phases = runner.prepare(args, kwargs, planning.plan)
         planning.before_step()
-        self._timer.start(device_clock=planning.closed_loop is not None)
+        self._timer.start(self.clock, device_clock=planning.closed_loop is not None)
         outputs = runner.run_step(compiled, user_tensors, planning.plan)
         self.policy_runtime.after_step(self)
         runner.finish_call(phases, args, kwargs)

@@ -31,29 +31,31 @@ class StepTiming:
 class StepTimer:
     """``start`` before a call's graph runs, ``stop`` after its bookkeeping: the call's ``StepTiming``."""
 
-    def __init__(self, clock: Any, lowering: StepLowering, cpu_timed: bool) -> None:
-        self.clock = clock
+    def __init__(self, lowering: StepLowering, cpu_timed: bool) -> None:
         self.lowering = lowering
         # the step thread's CPU time is its compute, and its run-queue delay what other threads took from that
         # compute, only where it runs the kernels itself (planner.refine.compute_floor, measured_contention)
         self.cpu_timed = cpu_timed
         self._thread_clock = ThreadClock()
+        self._clock: Any = None
         self._cold_runs = 0
         self._started = 0.0
         self._mark: Any = None
         self._clocked = False
 
-    def start(self, *, device_clock: bool) -> None:
-        """``device_clock``: read the device clock and the thread's clocks too (the closed loop runs)."""
+    def start(self, clock: Any, *, device_clock: bool) -> None:
+        """``clock``: the step's device clock (``deft_compile.timing``); ``device_clock``: read it, and the
+        thread's clocks, too (the closed loop runs)."""
+        self._clock = clock
         self._cold_runs = self.lowering.cold_runs
         self._started = time.perf_counter()
-        self._mark = self.clock.mark() if device_clock else None
+        self._mark = clock.mark() if device_clock else None
         self._clocked = device_clock and self.cpu_timed
         if self._clocked:
             self._thread_clock.start()
 
     def stop(self) -> StepTiming:
-        elapsed = self.clock.since(self._mark) if self._mark is not None else None
+        elapsed = self._clock.since(self._mark) if self._mark is not None else None
         seconds = time.perf_counter() - self._started
         cpu_seconds, queue_seconds = self._thread_clock.stop() if self._clocked else (None, None)
         return StepTiming(seconds, elapsed, cpu_seconds, queue_seconds, self.lowering.cold_runs == self._cold_runs)
