@@ -189,6 +189,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # the two delayed semantics alone: delays only (no update period, which keeps the default semantics), no Preserver
     "deft-delays": {"preserver": False, "plan_options": {"allow_period": False}},
     "deft-local-delays": {"delayed_update": "local", "preserver": False, "plan_options": {"allow_period": False}},
+    # the compensated semantics (Nesterov-form first moment, predicted weights), with and without the Preserver
+    "deft-compensated": {"delayed_update": "compensated"},
+    "deft-compensated-no-preserver": {"delayed_update": "compensated", "preserver": False},
+    "deft-compensated-delays": {"delayed_update": "compensated", "preserver": False,
+                                "plan_options": {"allow_period": False}},
 }
 DEFAULT_VARIANTS = ("ddp", "deft", "deft-no-preserver", "deft-no-period")
 TARGET_SPEEDUP = 1.3  # the target: deft reaches DDP's final validation loss at least 1.3x sooner ...

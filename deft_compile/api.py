@@ -12,6 +12,7 @@ import torch.nn as nn
 from deft_compile.config import DeftConfig
 from deft_compile.planner.plan import Profile
 from deft_compile.step.runtime import CompiledStep
+from deft_compile.step.wrappers import check_unwrapped_optimizer, unwrap_model
 
 
 def deft_compile(
@@ -41,7 +42,9 @@ def deft_compile(
     rank 0, as ``DistributedDataParallel`` does.
 
     Args:
-        model: the module to train (not wrapped in DDP).
+        model: the module to train. A ``DistributedDataParallel`` is unwrapped (the step trains its
+            ``.module``) and its own communication turned off, logged once; a DDP submodule raises
+            ``DeftError`` (``deft_compile.step.wrappers``).
         optimizer: a per-parameter optimizer over ``model``'s parameters (SGD,
             Adam, AdamW, RMSprop, Adagrad).
         loss_fn: optional ``loss_fn(output, targets) -> scalar``.
@@ -59,6 +62,8 @@ def deft_compile(
         profile: a saved ``deft_compile.planner.plan.Profile`` to plan from instead of
             measuring on the first step.
     """
+    model = unwrap_model(model)
+    check_unwrapped_optimizer(optimizer)
     if dump_dir is None and os.environ.get("DEFT_DUMP"):
         dump_dir = os.environ["DEFT_DUMP"]
     return CompiledStep(

@@ -23,8 +23,9 @@ def parse_link(spec: str) -> tuple[str, str | None]:
     return kind, interface or None
 
 
-#: ``DeftConfig.delayed_update`` values: DESIGN.md §4's semantics, or the opt-in local-then-corrected one.
-DELAYED_UPDATES = ("averaged", "local")
+#: ``DeftConfig.delayed_update`` values: DESIGN.md §4's semantics, the opt-in local-then-corrected one, and the
+#: compensated one (the late averaged gradient through a published correction, replicas identical).
+DELAYED_UPDATES = ("averaged", "local", "compensated")
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,13 @@ class DeftConfig(BucketSizes):
             bit-identical to DDP with SGD); ``$DEFT_COMPILER`` when set. Inductor by default because it runs
             the step faster (0.77-0.93x eager on the suite's models).
         delayed_update: what a delayed bucket (d=1) applies: ``"averaged"``, the averaged gradient of the
-            previous step, w_{t+1} = U(w_t, ḡ_{t-1}) (DESIGN.md §4); or ``"local"``, this step's local gradient
+            previous step, w_{t+1} = U(w_t, ḡ_{t-1}) (DESIGN.md §4); ``"local"``, this step's local gradient
             plus the correction of the previous one to its average, replicas equal again after ``flush()`` (call
             it on every rank before a checkpoint; docs/POLICIES.md; not with ``accumulation_steps`` or
-            ``loss_scale``). ``"averaged"`` because its replicas stay identical.
+            ``loss_scale``); or ``"compensated"``, the averaged gradient through the Nesterov form of the first
+            moment, with the forward and backward at the weights the pending update is about to give (SGD with
+            momentum, Adam, AdamW; ``deft_compile.passes.compensation``, docs/POLICIES.md). ``"averaged"``
+            until a compensated run measures a time-to-accuracy gain.
         contention: the measured profile's ``Profile.contention``, the share of a collective's time that slows
             compute beside it (docs/PLANNER.md): a number in [0, 1], or None to measure it on the first step; a
             profile you give keeps its own, and the closed loop's refinement replaces it. 0, an accelerator's,

@@ -31,6 +31,7 @@ if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
     from deft_compile.tools import launcher
 
     launcher.use_forkserver([
-        "workers", "loop_workers", "inductor_workers", "backend_workers", "hf_models", "models",
-        "transformers", "deft_compile.tools.bench", "deft_compile.tools.demo", "tta",
+        "workers", "loop_workers", "inductor_workers", "backend_workers", "integration_workers", "trainer_workers",
+        "hf_models", "models", "transformers", "deft_compile.integrations.transformers", "deft_compile.tools.bench",
+        "deft_compile.tools.demo", "tta",
     ])

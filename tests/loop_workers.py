@@ -47,13 +47,14 @@ def clip_with_ddp(rank: int, world_size: int, case: str, steps: int, max_norm: f
 
 
 def delayed_reference_run(rank: int, world_size: int, case: str, steps: int, options: str,
-                          max_norm: float | None = None, accumulation: int = 1) -> dict:
+                          max_norm: float | None = None, accumulation: int = 1,
+                          delayed_update: str = "averaged") -> dict:
     """deft with a delaying plan (and clipping / accumulation) against ``PlanReference`` of the same plan."""
     loss_fn, ref_model, ref_optimizer, deft_model, deft_optimizer, batches, profile = reference_case(
         case, rank, world_size, steps)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(plan_options=POLICY_OPTIONS[options], max_grad_norm=max_norm,
-                                          accumulation_steps=accumulation))
+                                          accumulation_steps=accumulation, delayed_update=delayed_update))
     reference = None
     report = []
     for t, (inputs, targets) in enumerate(batches):
@@ -62,7 +63,8 @@ def delayed_reference_run(rank: int, world_size: int, case: str, steps: int, opt
         if reference is None:
             schedule = {name: (delay, period * accumulation, offset * accumulation + accumulation - 1)
                         for name, (delay, period, offset) in plan_schedule_by_name(step).items()}
-            reference = PlanReference(ref_model, ref_optimizer, loss_fn, schedule, world_size, max_grad_norm=max_norm)
+            reference = PlanReference(ref_model, ref_optimizer, loss_fn, schedule, world_size, max_grad_norm=max_norm,
+                                      compensated=delayed_update == "compensated")
         torch.manual_seed(100 * rank + t)
         reference.step(inputs, targets)
         entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))

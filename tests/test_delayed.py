@@ -68,7 +68,7 @@ def test_every_item_communicates_once_per_step(delayed_report):
     assert per_rank[0]["collectives"] == per_rank[1]["collectives"]
 
 
-@pytest.mark.parametrize("delayed_update", ["averaged", "local"])
+@pytest.mark.parametrize("delayed_update", ["averaged", "local", "compensated"])
 def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path, delayed_update):
     """Each rank saves its step (``state_dict()`` communicates nothing) and resumes bit-identically; with
     ``delayed_update="local"`` each rank's own replica and pending local gradient."""
@@ -219,3 +219,27 @@ def test_local_delayed_update_refuses_accumulation_and_loss_scaling():
         DeftConfig(delayed_update="local", loss_scale="dynamic")
     with pytest.raises(ValueError, match="delayed_update must be one of"):
         DeftConfig(delayed_update="fresh")
+
+
+@pytest.mark.parametrize("case", ["frozen_unused_sgd", "mlp_dropout_sgd", "cnn_batchnorm_adam",
+                                  "transformer_tied_adamw_groups"])
+def test_compensated_delayed_update_matches_its_reference_and_keeps_replicas_identical(case):
+    """``DeftConfig(delayed_update="compensated")``: a delayed bucket's forward and backward run at the predicted
+    weights and its update takes the Nesterov form of the first moment; every rank follows the eager reference of
+    that rule (``workers.CompensatedUpdate``) every step and after flush, SGD bit-identical (heavy-ball momentum
+    rewritten; a user's Nesterov kept), Adam with BatchNorm and AdamW to 1e-5, and the replicas stay
+    bit-identical."""
+    results = run_local_workers(compare_deft_with_delayed_reference, 2,
+                                (case, STEPS, "deft", 0.9, (), None, "compensated"), timeout_s=240)
+    per_rank = [r.value for r in results]
+    assert per_rank[0]["delayed"], "the plan delays some buckets"
+    for rank, report in enumerate(per_rank):
+        _check_run(report, CASES[case][5], f"{case} rank {rank}")
+    for name, tensor in per_rank[0]["final_params"].items():
+        assert torch.equal(tensor, per_rank[1]["final_params"][name]), f"replicas differ in {name}"
+    if case == "frozen_unused_sgd":
+        # the heavy-ball update was rewritten: the compensated run is not the averaged one
+        averaged = [r.value for r in run_local_workers(compare_deft_with_delayed_reference, 2,
+                                                       (case, STEPS, "deft", 0.9), timeout_s=240)]
+        assert any(not torch.equal(tensor, averaged[0]["final_params"][name])
+                   for name, tensor in per_rank[0]["final_params"].items() if name in per_rank[0]["delayed"])

@@ -12,10 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PARTS = {"profiler", "one_rank", "two_ranks", "overlap", "accuracy"}
 
 
+@pytest.mark.timeout(900)  # five parts, each its own process: about 3 minutes on a quiet 2-core host
 def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     completed = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--out", str(tmp_path),

@@ -246,7 +246,7 @@ def test_backend_options_policy_and_compiler():
         parse_options({"compiler": "tvm"})
 
 
-@pytest.mark.parametrize("delayed_update", ["averaged", "local"])
+@pytest.mark.parametrize("delayed_update", ["averaged", "local", "compensated"])
 def test_inductor_delayed_plan_matches_eager_delayed_reference(delayed_update):
     """A plan with delayed buckets (d = 1) compiles with Inductor: the carried local gradient the previous call
     handed over is all-reduced functionally (an in-place all_reduce_ on a graph input made every delayed plan fall

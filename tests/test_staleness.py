@@ -106,3 +106,40 @@ def test_update_metric_weights_gradients_as_the_optimizer_applies_them():
     ones = {i: torch.ones_like(p) for i, p in enumerate(params)}
     assert same_batch_gradient_change(model, names, before, after, buffers, F.cross_entropy, (x, y), {}, [0, 4],
                                       ones) == plain
+
+
+def test_compensated_staleness_is_measured_from_the_predicted_weights():
+    """``predicted_weights`` gives w − lr·v for momentum SGD (w where there is no momentum yet) and w − lr·m̂/(√v̂+ε)
+    for Adam; on a smooth least-squares problem deep in a momentum run, the gradient at the predicted weights is
+    much closer to the gradient after the step than the gradient before it: compensated staleness prices lower."""
+    from deft_compile.preserver.staleness import predicted_weights
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    assert torch.equal(predicted_weights(optimizer, list(model.parameters()))[0], model.weight.detach())
+    loss_fn = nn.functional.mse_loss
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    buffer = optimizer.state[model.weight]["momentum_buffer"]
+    predicted = predicted_weights(optimizer, [model.weight])[0]
+    assert torch.allclose(predicted, model.weight.detach() - 0.02 * buffer)
+    before = model.weight.detach().clone()
+    optimizer.zero_grad()
+    loss_fn(model(x), y).backward()
+    optimizer.step()
+    after = [model.weight.detach().clone()]
+    names = ["weight"]
+    plain = same_batch_gradient_change(model, names, [before], after, {}, loss_fn, (x, y), {}, [0])[0]
+    compensated = same_batch_gradient_change(model, names, [predicted], after, {}, loss_fn, (x, y), {}, [0])[0]
+    assert compensated[0] < 0.2 * plain[0], (compensated, plain)
+    adam_model = nn.Linear(8, 1, bias=False)
+    adam = torch.optim.Adam(adam_model.parameters(), lr=0.01)
+    loss_fn(adam_model(x), y).backward()
+    adam.step()
+    state = adam.state[adam_model.weight]
+    expected = adam_model.weight.detach() - 0.01 * (state["exp_avg"] / 0.1) / ((state["exp_avg_sq"] / 0.001).sqrt() + 1e-8)
+    assert torch.allclose(predicted_weights(adam, [adam_model.weight])[0], expected)

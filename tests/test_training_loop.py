@@ -289,9 +289,12 @@ def test_clipping_under_per_layer_policies_equals_ddp(policy: str) -> None:
         check_entry(report["final"], True, f"{policy} rank {rank} after flush")
 
 
-def test_clipping_with_delayed_buckets_matches_the_delayed_reference() -> None:
-    """Clipping under deft clips what each update applies: fresh buckets and arrived delayed ones."""
-    results = run_local_workers(delayed_reference_run, 2, ("mlp_dropout_sgd", 6, "deft", 0.05), timeout_s=240)
+@pytest.mark.parametrize("delayed_update", ["averaged", "compensated"])
+def test_clipping_with_delayed_buckets_matches_the_delayed_reference(delayed_update) -> None:
+    """Clipping under deft clips what each update applies: fresh buckets and arrived delayed ones (with the
+    compensated semantics, the delayed gradient clipped before its Nesterov-form update)."""
+    results = run_local_workers(delayed_reference_run, 2, ("mlp_dropout_sgd", 6, "deft", 0.05, 1, delayed_update),
+                                timeout_s=240)
     for rank, result in enumerate(results):
         report = result.value
         assert report["delayed_items"] >= 1
@@ -314,10 +317,13 @@ def test_accumulation_equals_ddp_no_sync() -> None:
             check_entry(entry, False, f"{policy} rank {rank} step {entry['step']}", tolerance=1e-6)
 
 
-def test_accumulation_with_delayed_buckets_matches_the_delayed_reference() -> None:
+@pytest.mark.parametrize("delayed_update", ["averaged", "compensated"])
+def test_accumulation_with_delayed_buckets_matches_the_delayed_reference(delayed_update) -> None:
     """Delayed buckets under accumulation communicate once per cycle, overlapping the next cycle's first
-    micro-batch, and are applied at its update point (docs/POLICIES.md)."""
-    results = run_local_workers(delayed_reference_run, 2, ("mlp_dropout_sgd", 9, "deft", None, 3), timeout_s=240)
+    micro-batch, and are applied at its update point (docs/POLICIES.md); compensated, every micro-batch of the
+    cycle runs at the predicted weights."""
+    results = run_local_workers(delayed_reference_run, 2, ("mlp_dropout_sgd", 9, "deft", None, 3, delayed_update),
+                                timeout_s=240)
     for rank, result in enumerate(results):
         report = result.value
         assert report["delayed_items"] >= 1

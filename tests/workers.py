@@ -334,7 +334,7 @@ class PlanReference:
     """
 
     def __init__(self, model, optimizer, loss_fn, schedule: dict[str, tuple[int, int, int]], world_size: int,
-                 max_grad_norm: float | None = None, local: bool = False) -> None:
+                 max_grad_norm: float | None = None, local: bool = False, compensated: bool = False) -> None:
         import torch.distributed as dist
 
         self.dist = dist
@@ -346,6 +346,7 @@ class PlanReference:
         self.accumulated: dict[str, tuple[torch.Tensor, int]] = {}
         self.local = local
         self.local_pending: dict[str, torch.Tensor] = {}  # g_{t-1} / W, all-reduced in the next step
+        self.compensated = compensated  # delayed_update="compensated": CompensatedUpdate for the delayed parameters
         self.t = 0
 
     def _average(self, total: torch.Tensor, count: int) -> torch.Tensor:
@@ -353,11 +354,16 @@ class PlanReference:
         self.dist.all_reduce(averaged)
         return averaged
 
+    def _compensated_names(self) -> set[str]:
+        return {name for name, (delay, _period, _) in self.schedule.items() if delay} if self.compensated else set()
+
     def step(self, inputs, targets) -> None:
         for buffer in self.model.buffers():
             self.dist.broadcast(buffer, src=0)
         self.optimizer.zero_grad(set_to_none=True)
-        self.loss_fn(self.model(inputs), targets).backward()
+        compensated = CompensatedUpdate(self.optimizer, self.model, self._compensated_names())
+        with compensated.predicted_weights():  # forward and backward at ŵ (compensated only)
+            self.loss_fn(self.model(inputs), targets).backward()
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
@@ -386,7 +392,7 @@ class PlanReference:
                 self.accumulated[name] = (total, count)
             p.grad = apply
         self._clip()
-        self.optimizer.step()
+        compensated.step()
         self.t += 1
 
     def _clip(self) -> None:
@@ -409,7 +415,88 @@ class PlanReference:
                 total, count = self.accumulated.pop(name)
                 p.grad = self._average(total, count)
         self._clip()
+        CompensatedUpdate(self.optimizer, self.model, self._compensated_names()).step()
+
+
+class CompensatedUpdate:
+    """The compensated semantics of the named parameters, written without deft_compile: their forward and backward
+    at the predicted weights ŵ (SGD: w − lr·v; Adam, AdamW: w − lr·m̂/(√v̂ + ε) from the current state; w where there
+    is no state yet), and their update in Nesterov form (SGD: w −= lr·(g + β v'); Adam, AdamW: the update divides
+    β1 m' + (1 − β1) g). The optimizer updates every other parameter as usual."""
+
+    def __init__(self, optimizer, model, names: set[str]) -> None:
+        self.optimizer, self.names = optimizer, names
+        self.params = {p: n for n, p in model.named_parameters() if n in names}
+        self.group = {p: g for g in optimizer.param_groups for p in g["params"]}
+
+    def _direction(self, p) -> torch.Tensor | None:
+        state, group = self.optimizer.state.get(p, {}), self.group[p]
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return state.get("momentum_buffer")
+        if "exp_avg" not in state:
+            return None
+        step = float(state["step"])
+        beta1, beta2 = group["betas"]
+        moment = state["exp_avg"] / (1 - beta1 ** step)
+        return moment / ((state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt() + group["eps"])
+
+    def predicted_weights(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def swapped():
+            saved = {}
+            with torch.no_grad():
+                for p in self.params:
+                    direction = self._direction(p)
+                    if direction is not None:
+                        saved[p] = p.detach().clone()
+                        p.sub_(direction * self.group[p]["lr"])
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for p, weights in saved.items():
+                        p.copy_(weights)
+
+        return swapped()
+
+    def step(self) -> None:
+        grads = {p: p.grad for p in self.params if p.grad is not None}
+        for p in grads:
+            p.grad = None
         self.optimizer.step()
+        with torch.no_grad():
+            for p, g in grads.items():
+                (self._sgd if isinstance(self.optimizer, torch.optim.SGD) else self._adam)(p, g)
+                p.grad = g
+
+    def _sgd(self, p, g) -> None:
+        group, state = self.group[p], self.optimizer.state[p]
+        g = g.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else g
+        buf = state.get("momentum_buffer")
+        buf = g.clone() if buf is None else buf.mul_(group["momentum"]).add_(g)
+        state["momentum_buffer"] = buf
+        p.add_(g.add(buf, alpha=group["momentum"]), alpha=-group["lr"])
+
+    def _adam(self, p, g) -> None:
+        group, state = self.group[p], self.optimizer.state[p]
+        beta1, beta2 = group["betas"]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        if isinstance(self.optimizer, torch.optim.AdamW):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        elif group["weight_decay"]:
+            g = g.add(p, alpha=group["weight_decay"])
+        state["step"] += 1
+        step = float(state["step"])
+        state["exp_avg"].lerp_(g, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        nesterov = state["exp_avg"].lerp(g, 1 - beta1)
+        denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
+        p.addcdiv_(nesterov, denom, value=-group["lr"] / (1 - beta1 ** step))
 
 
 def _lockstep_with_reference(step, deft, ref, loss_fn, batches, rank: int, world_size: int):
@@ -423,7 +510,8 @@ def _lockstep_with_reference(step, deft, ref, loss_fn, batches, rank: int, world
         step(inputs, targets)
         if reference is None:  # the plan exists once the first step ran
             reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size,
-                                      local=step.config.delayed_update == "local")
+                                      local=step.config.delayed_update == "local",
+                                      compensated=step.config.delayed_update == "compensated")
         torch.manual_seed(100 * rank + t)
         reference.step(inputs, targets)
         entry = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))

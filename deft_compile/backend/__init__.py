@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.utils.weak import WeakIdKeyDictionary
@@ -50,6 +51,7 @@ from deft_compile.step.distributed import broadcast_from_rank0, resolve_group
 from deft_compile.errors import DeftError
 from deft_compile.step.lowering import LazyLowered, lower
 from deft_compile.step.pipeline import CommGroup
+from deft_compile.step.wrappers import guard_backend_ddp
 
 __all__ = ["deft_backend", "flush", "reset", "DelayedStateError", "BackendGraphError", "CompiledBackward", "compiled_backwards"]
 
@@ -98,6 +100,9 @@ def deft_backend(
     ]
     params = {i: x for i, x in enumerate(full_args) if isinstance(x, nn.Parameter) and x.requires_grad}
     num_inputs = len(full_args)
+    ddp = DistributedDataParallel._get_active_ddp_module()  # DDP(compiled): Dynamo compiles inside DDP's forward
+    if ddp is not None and group is not None:
+        guard_backend_ddp(ddp).cover(params.values())  # DDP's own all-reduce off (deft_compile.step.wrappers)
     del full_args  # the backward compiler may run lazily: keep parameters, not the example batch
     if process_group is not None and opts.broadcast_parameters:
         _broadcast_once(list(params.values()), process_group)

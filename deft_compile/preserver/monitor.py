@@ -34,7 +34,7 @@ from deft_compile.preserver.budget import AttributionBudget
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
-from deft_compile.preserver.staleness import same_batch_gradient_change, update_metric
+from deft_compile.preserver.staleness import predicted_weights, same_batch_gradient_change, update_metric
 from deft_compile.timing import comm_device
 
 
@@ -141,7 +141,12 @@ class PreserverMonitor:
                 self.preserver.probes.postpone(self.config.staleness_every)
                 return
             started = time.perf_counter()
-            self._before = [p.detach().clone() for p in self.step.graph.captured.model_state.params]
+            params = self.step.graph.captured.model_state.params
+            if getattr(self.step.config, "delayed_update", None) == "compensated":
+                # a compensated delay's gradient comes from the predicted weights: price the error from there
+                self._before = predicted_weights(self.step.optimizer, params)
+            else:
+                self._before = [p.detach().clone() for p in params]
             self._clone_seconds = time.perf_counter() - started
             self.probe_seconds += self._clone_seconds
 

@@ -11,6 +11,10 @@ before and after one step removes the noise and leaves the second part only::
 
     e_i = ‖g_i(w_{t+1}; B_t) − g_i(w_t; B_t)‖ / ‖g_i(w_t; B_t)‖
 
+Under compensated staleness (``delayed_update="compensated"``) the late gradient was computed at the
+predicted weights ŵ_t (``predicted_weights``), so the error is measured from there:
+‖g_i(w_{t+1}; B_t) − g_i(ŵ_t; B_t)‖ / ‖g_i(ŵ_t; B_t)‖.
+
 for the parameters i of a bucket. It costs two extra forward/backward passes
 in eager mode, so the Preserver measures it every ``staleness_every`` steps.
 
@@ -49,6 +53,29 @@ def update_metric(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.
             if isinstance(v, torch.Tensor) and v.shape == p.shape:
                 metric[p] = (v.detach().sqrt() + group.get("eps", 1e-8)).reciprocal().sqrt()
     return metric
+
+
+def predicted_weights(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter at the weights a compensated delayed update computes its gradient at
+    (``DeftConfig(delayed_update="compensated")``, ``deft_compile.passes.compensation``): SGD w − lr·v, Adam and
+    AdamW w − lr·m̂/(√v̂ + ε) from the current state; w itself where the optimizer holds no state for it yet."""
+    group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for p in params:
+        state, group = optimizer.state.get(p, {}), group_of.get(p)
+        direction = None
+        if group is not None and isinstance(optimizer, torch.optim.SGD):
+            direction = state.get("momentum_buffer")
+        elif group is not None and "exp_avg" in state:
+            step = float(state["step"])
+            beta1, beta2 = group["betas"]
+            moment = state["exp_avg"] / (1 - beta1 ** step)
+            direction = moment / ((state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt() + group["eps"])
+        weights = p.detach().clone()
+        if direction is not None:
+            weights.sub_(direction * group["lr"])
+        out.append(weights)
+    return out
 
 
 def seeded_loss(model: torch.nn.Module, tensors: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor] | None,

@@ -39,6 +39,7 @@ from deft_compile.errors import LossError, TraceError
 from deft_compile.outputs import loss_of
 from deft_compile.ir.layout import GraphLayout
 from deft_compile.step.optim_support import lr_inputs, traceable_optimizer
+from deft_compile.step.recompute_check import check_no_random_after_forward
 
 StateSlot = tuple[int, str]  # (parameter index, optimizer-state key)
 
@@ -228,6 +229,7 @@ def capture_step(
     if scale_loss:  # values do not matter: fake tracing; the runtime passes the live scale and tracker
         example += [torch.ones((), dtype=torch.float32), torch.zeros((), dtype=torch.int32)]
     graph_module = _trace(step, example, tracker)
+    check_no_random_after_forward(graph_module)  # activation checkpointing with Dropout (step/recompute_check.py)
     graph_module.meta["deft_layout"] = GraphLayout(
         num_params=num_params,
         num_buffers=num_buffers,

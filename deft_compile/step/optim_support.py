@@ -43,6 +43,14 @@ LR_INPUT_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RMSprop,
 )
 
+# Adam's and AdamW's capturable update divides by the step size, lr / (1 - beta1^t): at lr = 0 that gives
+# 0 / 0 = NaN wherever the second moment is 0 (an embedding row no batch has used yet), where eager's
+# non-capturable update, with Python floats, adds 0. A zero learning rate (a warm-up's first step, a linear decay's
+# end) enters their graphs as this instead: every update it gives is below 1e-28 in absolute value, so only a
+# parameter that is exactly 0 can move, and by less than that.
+ZERO_LR_STANDIN = 1e-30
+_DIVIDES_BY_LR = (torch.optim.Adam, torch.optim.AdamW)
+
 # Options forced while tracing; restored afterwards.
 _TRACE_OVERRIDES = {"foreach": False, "fused": False}
 _CAPTURABLE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
@@ -78,10 +86,13 @@ def lr_is_input(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def lr_inputs(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The learning-rate inputs of a captured step: one 0-dim float64 tensor per param group (exact)."""
+    """The learning-rate inputs of a captured step: one 0-dim float64 tensor per param group (exact; for Adam and
+    AdamW a zero learning rate is ``ZERO_LR_STANDIN``)."""
     if not lr_is_input(optimizer):
         return []
-    return [torch.tensor(float(group["lr"]), dtype=torch.float64) for group in optimizer.param_groups]
+    standin = isinstance(optimizer, _DIVIDES_BY_LR)
+    return [torch.tensor(ZERO_LR_STANDIN if standin and float(group["lr"]) == 0.0 else float(group["lr"]),
+                         dtype=torch.float64) for group in optimizer.param_groups]
 
 
 def hyperparameter_key(optimizer: torch.optim.Optimizer) -> tuple:

@@ -22,6 +22,7 @@ from deft_compile.debug.dump import GraphDumper
 from deft_compile.ir.layout import GraphLayout, layout_of
 from deft_compile.passes.broadcast_buffers import insert_buffer_broadcast
 from deft_compile.passes.cleanup import remove_detach, remove_profiler_ops
+from deft_compile.passes.compensation import Compensation, compensate_delayed
 from deft_compile.passes.gradient_guards import GuardOptions, guard_gradients
 from deft_compile.passes.local_collectives import elide_local_collectives
 from deft_compile.passes.markers import strip_markers
@@ -81,6 +82,7 @@ def build_passes(
     flush: bool = False,
     guards: GuardOptions | None = None,
     buffer_group: CommGroup | None = None,
+    compensation: Compensation | None = None,
 ) -> list[tuple[str, Pass]]:
     """The ordered passes; no collectives when ``group`` is None or has one rank (one process).
 
@@ -90,6 +92,8 @@ def build_passes(
     solo groups) with an update period (gradient accumulation) still go through ``schedule``,
     which accumulates gradients across calls, and then lose their collectives.
     ``guards`` (clipping, loss scaling's skip) act on the gradients each update applies.
+    ``compensation``: the delayed parameters' compensated updates and predicted weights
+    (``DeftConfig(delayed_update="compensated")``).
     """
     passes: list[tuple[str, Pass]] = [
         ("remove_profiler_ops", remove_profiler_ops),
@@ -98,6 +102,10 @@ def build_passes(
         # before the plan's passes: regions are the capture's, whatever the plan (deft_compile.step.regions)
         ("tag_regions", functools.partial(tag_regions, param_names=captured.model_state.param_names)),
     ]
+    if compensation is not None and compensation.params:
+        # after the regions are fixed (the Nesterov node joins its update's region, the prediction is glue) and
+        # before the schedule, which rewires the updates' gradients with these nodes in place
+        passes.append(("compensate_delayed", functools.partial(compensate_delayed, compensation=compensation)))
     if group is not None and group.world_size > 1:
         passes.append(("schedule", functools.partial(apply_schedule, items=items, phases=phases, flush=flush)))
         # After the schedule, so the broadcast goes before everything the schedule put at the start of the step:
@@ -140,8 +148,9 @@ def compile_captured(
     flush: bool = False,
     guards: GuardOptions | None = None,
     buffer_group: CommGroup | None = None,
+    compensation: Compensation | None = None,
 ) -> CompiledGraph:
     passes = build_passes(captured, items, group, config, phases=phases, flush=flush, guards=guards,
-                          buffer_group=buffer_group)
+                          buffer_group=buffer_group, compensation=compensation)
     gm = run_passes(captured.graph_module, passes, dumper)
     return CompiledGraph(captured=captured, graph_module=gm, items=items, phases=dict(phases or {}), flush=flush)

@@ -33,6 +33,7 @@ from deft_compile.passes.gradient_guards import FOUND_INF_KEY, GRAD_NORM_KEY
 from deft_compile.passes.schedule import ItemPhase, ScheduledItem, accumulator_key, pending_key
 from deft_compile.planner.plan import Plan
 from deft_compile.step.capture import CapturedStep, StateSlot, ambient_autocast, capture_step, split_user_inputs
+from deft_compile.step.compensation import compensation_for
 from deft_compile.step.distributed import average_parameters_and_state, check_same_across_ranks, diagnose_peer_failure
 from deft_compile.step.groups import StepGroups
 from deft_compile.step.loss_scaling import LossScaler, guard_options_for
@@ -242,9 +243,11 @@ class StepRunner:
         # group, beside the all-reduces still in flight from the previous step.
         buffer_group = self.groups.buffer_group if self.groups.step_group is None else None
         guards = guard_options_for(self.config.max_grad_norm, self.config.norm_type, self.loss_scaler)
+        compensation = (compensation_for(self.items, self.optimizer, captured.model_state.params)
+                        if self.config.delayed_update == "compensated" else None)
         with lazy_graph_modules():
             compiled = compile_captured(captured, self.items, group, self.config, dumper, phases=phases, flush=flush,
-                                        guards=guards, buffer_group=buffer_group)
+                                        guards=guards, buffer_group=buffer_group, compensation=compensation)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
         self.graph_seconds += self.last_trace_seconds

@@ -31,6 +31,7 @@ from deft_compile.planner.plan import Plan, Profile
 from deft_compile.planner.solvers import POLICIES
 from deft_compile.preserver import Preserver
 from deft_compile.step.closed_loop import ClosedLoop
+from deft_compile.step.compensation import family_of
 from deft_compile.step.groups import StepGroups
 from deft_compile.step.loss_scaling import LossScaler
 from deft_compile.step.lowering import StepLowering
@@ -69,6 +70,8 @@ class CompiledStep:
         profile: Profile | None = None,
     ) -> None:
         check_optimizer(optimizer)
+        if config.delayed_update == "compensated":
+            family_of(optimizer)  # refuses an optimizer it cannot compensate, before anything runs
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         policy_runtime = runtime_for(policy)

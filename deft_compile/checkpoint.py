@@ -1,0 +1,120 @@
+"""Save and load a compiled step's training state with ``torch.distributed.checkpoint`` (DCP).
+
+::
+
+    from deft_compile import checkpoint
+
+    checkpoint.save(step, "ckpt/100", extra={"scheduler": scheduler})     # every rank, at a step boundary
+    ...
+    step = deft_compile(model, optimizer, ...)                              # a fresh process group
+    checkpoint.load(step, "ckpt/100", extra={"scheduler": scheduler})     # before its next call
+
+Under the key ``"deft"`` the checkpoint holds:
+
+- ``model`` and ``optimizer``: ``torch.distributed.checkpoint.state_dict.get_state_dict`` of the
+  step's model and optimizer (parameter names as keys, loaded in place by ``set_state_dict``).
+  DCP writes a tensor that every rank holds under one key once; where the replicas may differ
+  between ``flush()``es (``policy="dssync"``, ``DeftConfig(delayed_update="local")``) both are
+  kept per rank instead (``model.rank<r>``, ``optimizer.rank<r>``).
+- ``step.rank<r>``: each rank's ``step.state_dict()`` (step counter, plan, profile, pending delayed
+  gradients, partial accumulations, the Preserver's and the loss scaler's state), ``torch.save``d
+  into one bytes entry, as torchtitan keeps its train state: pending gradients and accumulations
+  are per rank, and a bytes entry loads whole, with no tensor of the right shape needed to load into.
+
+``extra`` entries (anything DCP saves: tensors, state dicts, ``Stateful`` objects such as an LR
+scheduler) go into the same checkpoint under their own keys.
+
+DCP loads tensors in place, so ``load`` needs a tensor for every entry it reads. A fresh optimizer
+has no state: DCP gives it some (a zero-learning-rate ``step()`` on zero gradients), and ``load``
+keeps only the entries the checkpoint has (parameters without state when it was saved, a delayed
+bucket before its first update or an unused parameter, stay without), read from the checkpoint's
+metadata; ``save`` writes no state for an optimizer that had none and leaves it without. A model
+entry missing from the checkpoint raises DCP's error. Resuming needs the same world size and
+policy (``step.load_state_dict`` checks the policy); everything loads bit-identically.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from deft_compile.errors import DeftError
+from deft_compile.step.runtime import CompiledStep
+
+KEY = "deft"
+
+
+def save(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping[str, Any] | None = None,
+         model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """``dcp.save`` of the step's model, optimizer and ``step.state_dict()`` (plus ``extra``) to ``checkpoint_id``.
+
+    Call on every rank of the step's process group, between steps. ``model`` and ``optimizer`` default to the
+    step's own. No step communication runs (``step.state_dict()`` waits for pending all-reduces locally)."""
+    model, optimizer = _model_and_optimizer(step, model, optimizer)
+    had_state = bool(optimizer.state)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    if not had_state:  # DCP stepped it with lr 0 to have tensors to write: not this run's state
+        optimizer.state.clear()
+        optimizer_state = {**optimizer_state, "state": {}}
+    blob = io.BytesIO()
+    torch.save(step.state_dict(), blob)
+    blob.seek(0)
+    state = _layout(step, model_state, optimizer_state, blob)
+    dcp.save({KEY: state, **dict(extra or {})}, checkpoint_id=checkpoint_id, process_group=step.process_group)
+
+
+def load(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping[str, Any] | None = None,
+         model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load what ``save`` wrote into the step, its model and optimizer (and ``extra``, in place, as ``dcp.load``
+    does). Call on every rank, after ``deft_compile()`` and before the step's next call."""
+    model, optimizer = _model_and_optimizer(step, model, optimizer)
+    saved = set(dcp.FileSystemReader(os.fspath(checkpoint_id)).read_metadata().state_dict_metadata)
+    key = f"rank{_rank(step)}"
+    if f"{KEY}.step.{key}" not in saved:
+        raise DeftError(f"{os.fspath(checkpoint_id)!r} holds no deft step state for rank {_rank(step)}: not written "
+                        f"by deft_compile.checkpoint.save, or with another world size")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    prefix = f"{KEY}.optimizer" + ("" if _replicated(step) else f".{key}")
+    optimizer_state = {**optimizer_state, "state": {
+        name: kept for name, entries in optimizer_state["state"].items()
+        if (kept := {k: v for k, v in entries.items() if f"{prefix}.state.{name}.{k}" in saved})}}
+    state = _layout(step, model_state, optimizer_state, io.BytesIO())
+    dcp.load({KEY: state, **dict(extra or {})}, checkpoint_id=checkpoint_id, process_group=step.process_group)
+    if not _replicated(step):
+        model_state, optimizer_state = state["model"][key], state["optimizer"][key]
+    else:
+        model_state, optimizer_state = state["model"], state["optimizer"]
+    # not strict: parameters without optimizer state in the checkpoint stay without (every model key was read above)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(strict=False))
+    blob = state["step"][key]
+    blob.seek(0)
+    step.load_state_dict(torch.load(blob, weights_only=False))
+
+
+def _model_and_optimizer(step: CompiledStep, model: nn.Module | None,
+                         optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return (model if model is not None else step.model), (optimizer if optimizer is not None else step.optimizer)
+
+
+def _rank(step: CompiledStep) -> int:
+    return dist.get_rank(step.process_group) if step.process_group is not None else 0
+
+
+def _replicated(step: CompiledStep) -> bool:
+    """Whether every rank holds the same parameters and optimizer state at every step boundary."""
+    return step.policy != "dssync" and step.config.delayed_update != "local"
+
+
+def _layout(step: CompiledStep, model_state: dict, optimizer_state: dict, blob: io.BytesIO) -> dict[str, Any]:
+    key = f"rank{_rank(step)}"
+    if _replicated(step):
+        return {"model": model_state, "optimizer": optimizer_state, "step": {key: blob}}
+    return {"model": {key: model_state}, "optimizer": {key: optimizer_state}, "step": {key: blob}}
