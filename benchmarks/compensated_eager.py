@@ -6,7 +6,8 @@
 One process, no deft_compile runtime: ``tests/workers.py``'s ``PlanReference`` (the eager reference every
 semantics is tested against) trains with every parameter delayed by one update (``delayed``: DESIGN.md §4,
 w_{t+1} = U(w_t, ḡ_{t-1}); ``compensated``: the same gradient through the Nesterov form of the first moment, the
-forward and backward at the predicted weights; ``CompensatedUpdate``) or none (``sync``), on the same batches from
+forward and backward at the predicted weights; ``CompensatedUpdate``; ``predict-only`` and ``nesterov-only``: one
+half of it) or none (``sync``), on the same batches from
 the same initial weights, with a linear warm-up over 10 % of the steps and cosine decay. Prints and writes the
 validation loss at each quarter of the run. Every parameter delayed is the worst case: a DeFT plan delays only
 the buckets whose communication it hides, and the Preserver prices what each costs.
@@ -62,7 +63,8 @@ def run(model_name: str, optimizer_name: str, lr: float, steps: int, seed: int, 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: (t + 1) / warm if t < warm else
                                                  0.5 * (1 + math.cos(math.pi * (t - warm) / max(1, steps - warm))))
     delays = {name: (0 if mode == "sync" else 1, 1, 0) for name, _ in model.named_parameters()}
-    reference = PlanReference(model, optimizer, loss_fn, delays, 1, compensated=mode == "compensated")
+    compensated = mode if mode in ("predict-only", "nesterov-only") else mode == "compensated"
+    reference = PlanReference(model, optimizer, loss_fn, delays, 1, compensated=compensated)
 
     def validate() -> float:
         model.eval()

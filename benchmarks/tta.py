@@ -11,7 +11,11 @@ same Python) with 2 gloo workers, once per variant:
 * ``deft-no-preserver``: the same with ``PreserverConfig(enabled=False)``;
 * ``deft-no-period``: the same with ``plan_options={"allow_period": False}`` (delays only);
 * ``deft-sync`` (a control, not in the default set): ``max_staleness=0, allow_period=False``, so a
-  synchronous plan that must train exactly like DDP.
+  synchronous plan that must train exactly like DDP;
+* ``wfbp``, ``bytescheduler``, ``usbyte`` (controls, not in the default set): those policies through
+  ``deft_compile``; synchronous plans, so DDP's numbers too;
+* ``ddp-ulp`` (a round-off control, not in the default set): DDP from initial weights one ulp away, a seeded random
+  direction per element: how far round-off alone moves the final loss.
 
 Every variant starts from the same initial weights (``torch.manual_seed(seed)``, one model deep-copied) and
 sees the same batches: step t's global batch of ``world x batch`` windows is drawn from a generator seeded by
@@ -194,10 +198,29 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "deft-compensated-no-preserver": {"delayed_update": "compensated", "preserver": False},
     "deft-compensated-delays": {"delayed_update": "compensated", "preserver": False,
                                 "plan_options": {"allow_period": False}},
+    # a round-off control: DDP again, from initial weights one ulp away (a random direction per element)
+    "ddp-ulp": {"ddp": {"perturb_ulps": 1}},
+    # the synchronous policies through deft_compile (DDP's numbers; ByteScheduler and US-Byte run each update in the
+    # next call)
+    "wfbp": {"policy": "wfbp"},
+    "bytescheduler": {"policy": "bytescheduler"},
+    "usbyte": {"policy": "usbyte"},
 }
 DEFAULT_VARIANTS = ("ddp", "deft", "deft-no-preserver", "deft-no-period")
 TARGET_SPEEDUP = 1.3  # the target: deft reaches DDP's final validation loss at least 1.3x sooner ...
 TARGET_FINAL_EXCESS = 0.02  # ... and never ends more than 2 % above it
+
+
+@torch.no_grad()
+def perturb_by_ulps(model: nn.Module, ulps: int, seed: int) -> None:
+    """Move every parameter element ``ulps`` representable floats up or down (a seeded random direction per
+    element): the smallest change of the initial weights, to measure how far round-off alone carries training."""
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        up = torch.rand(p.shape, generator=generator) < 0.5
+        target = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
+        for _ in range(ulps):
+            p.copy_(torch.nextafter(p, target))
 
 
 def make_optimizer(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1,
@@ -299,7 +322,10 @@ class _Variant:
         spec = VARIANTS[name]
         caps = {"bucket_cap_mb": cfg.bucket_cap_mb} if cfg.bucket_cap_mb is not None else {}
         self.deft = None
-        if spec is None:
+        if spec is None or "ddp" in spec:
+            controls = (spec or {}).get("ddp", {})
+            if controls.get("perturb_ulps"):
+                perturb_by_ulps(self.model, int(controls["perturb_ulps"]), seed=cfg.seed + 1)
             ddp = nn.parallel.DistributedDataParallel(self.model, **caps)
             optimizer = self.optimizer
 
@@ -317,7 +343,7 @@ class _Variant:
                 options["preserver"] = PreserverConfig(enabled=False)
             if "delayed_update" in spec:
                 options["delayed_update"] = spec["delayed_update"]
-            self.deft = deft_compile(self.model, self.optimizer, None, policy="deft",
+            self.deft = deft_compile(self.model, self.optimizer, None, policy=spec.get("policy", "deft"),
                                      config=DeftConfig(**caps, **options))
             self.runner = self.deft
         self.step = 0

@@ -29,7 +29,15 @@ nothing for these items (the runtime averages the replicas instead).
 
 Tensors that cross the step boundary ("carries": pending all-reduce outputs or
 local gradients) are extra graph outputs and, in the next call, extra graph
-inputs, like ``IterGraphModule`` did in ``torch.distributed._spmd``. Three
+inputs, like ``IterGraphModule`` did in ``torch.distributed._spmd``.
+
+A next-forward update is step t's update run in call t+1, so it applies step
+t's learning rate: a call that launches next-forward items carries its
+learning-rate inputs out (``lr:<group>``), and the next call or flush rewires
+the moved updates to read those instead of its own (an LR scheduler steps
+between calls, so the call's own inputs hold step t+1's rate). Next-update
+items (DeFT's delayed buckets) are the update of the step that applies them
+and read that step's rate. Three
 variants of a step graph exist: without carries (the first step: parameters
 whose update belongs to the next step are not updated), with carries (steady
 state) and ``flush`` (only the pending updates, no forward or backward).
@@ -156,6 +164,17 @@ def stats_key(item_id: int) -> str:
     return f"stats:{item_id}"
 
 
+def learning_rate_key(group: int) -> str:
+    """The carried learning rate of param group ``group`` for updates moved to the next call."""
+    return f"lr:{group}"
+
+
+def item_of_key(key: str) -> int | None:
+    """The plan item a carry key belongs to (``pending:3``, ``acc:3``, ``stats:3``); None for other carries."""
+    kind, _, rest = key.partition(":")
+    return int(rest) if kind in ("pending", "acc", "stats") else None
+
+
 def apply_schedule(
     gm: fx.GraphModule,
     *,
@@ -193,6 +212,14 @@ class _ScheduleRewriter:
         self.update_start = max((self.order[m] for m in self.markers.values()), default=len(nodes))
         self.first_compute = next(n for n in nodes if n.op != "placeholder")
         self.update_nodes = self._update_nodes_by_param()
+        rates_start = (self.layout.num_params + self.layout.num_buffers + len(self.layout.state_inputs)
+                       + self.layout.num_user_inputs)
+        self.rate_inputs = self.placeholders[rates_start : rates_start + self.layout.num_lr_inputs]
+        # each learning-rate input's ``.item()`` read, which the optimizer's scalar arithmetic starts from
+        self.rate_reads = {n.args[0]: n for n in nodes
+                           if n.op == "call_function" and n.target == aten._local_scalar_dense.default
+                           and n.args[0] in self.rate_inputs}
+        self._carried_rate_params: set[int] = set()  # updates moved here from the previous call: its rates
         self._moved: set[fx.Node] = set()
         self.apply_mode: dict[int, str] = {}
         for item in items:
@@ -327,6 +354,7 @@ class _ScheduleRewriter:
             self._this_step(carried)
         self._from_previous_calls(carried)
         applied = self._assemble_and_rewire()
+        self._read_carried_rates(carried, applied)
         self._rebuild_output(applied)
         if self.flush:
             self._prune_to_flush()
@@ -339,11 +367,15 @@ class _ScheduleRewriter:
                 keys.append(pending_key(item.id))
             if phase.accumulated_in:
                 keys.append(accumulator_key(item.id))
+        if any(item.apply == APPLY_NEXT_FORWARD and self.phases[item.id].pending_in for item in self.items):
+            keys += [learning_rate_key(g) for g in range(len(self.rate_inputs))]
         nodes = {}
         with self.graph.inserting_after(self.placeholders[-1]):
             # inserting_after places each new node right after the anchor, so add in reverse.
             for key in reversed(keys):
                 nodes[key] = self.graph.placeholder(key.replace(":", "_"))
+                if key.startswith("lr:"):
+                    nodes[key].meta.update(self.rate_inputs[int(key.split(":")[1])].meta)
         self.layout.carry_inputs = keys
         return nodes
 
@@ -408,6 +440,7 @@ class _ScheduleRewriter:
             last_anchor[item.group_name], last_emitted[item.group_name] = anchor, insert_at.prev
             if item.apply == APPLY_NEXT_FORWARD:
                 self._carry_out[pending_key(item.id)] = reduced
+                self._carry_rates_out()
                 continue
             point = self._first_update(item.params)
             with self.graph.inserting_before(point):
@@ -484,6 +517,7 @@ class _ScheduleRewriter:
                     with self.graph.inserting_before(point):
                         averaged = self.graph.call_function(WAIT, (pending,))
                     self._collect(item, averaged, point, move=not self.flush)
+                    self._carried_rate_params.update(item.params)
                     continue
                 with self.graph.inserting_before(self._carried_launch_point(item)):
                     # The carried local gradient is this item's own tensor (made by the previous call).
@@ -500,6 +534,38 @@ class _ScheduleRewriter:
                 with self.graph.inserting_before(point):
                     averaged = self.graph.call_function(WAIT, (reduced,))
                 self._collect(item, averaged, point, move=False)
+
+    def _carry_rates_out(self) -> None:
+        """This call's learning rates, for the updates its next-forward items leave to the next call."""
+        if learning_rate_key(0) in self._carry_out or not self.rate_inputs:
+            return
+        with self.graph.inserting_before(self.first_compute):
+            for g, rate in enumerate(self.rate_inputs):
+                self._carry_out[learning_rate_key(g)] = self.graph.call_function(aten.clone.default, (rate,))
+
+    def _read_carried_rates(self, carried: dict[str, fx.Node], applied: dict[int, fx.Node]) -> None:
+        """Make the updates moved here from the previous call read that call's learning rates (its step's).
+        Their scalar arithmetic is their own (the single-tensor optimizers compute it per parameter); a node that
+        reads a rate for both a moved update and one of this step's would need both rates, and is refused."""
+        if not self._carried_rate_params or not self.rate_reads:
+            return
+        moved = {node for p in self._carried_rate_params for node in self.update_nodes.get(p, [])}
+        own = {node for p in applied if p not in self._carried_rate_params for node in self.update_nodes.get(p, [])}
+        reads = set(self.rate_reads.values())
+        shared = [node for node in moved & own if reads & set(node.all_input_nodes)]
+        if shared:
+            raise ValueError(f"{shared[0]} reads the learning rate for the updates of two different steps")
+        replacement = {}
+        with self.graph.inserting_before(self.first_compute):
+            for g, rate in enumerate(self.rate_inputs):
+                read = self.rate_reads.get(rate)
+                if read is not None:
+                    replacement[read] = self.graph.call_function(read.target, (carried[learning_rate_key(g)],))
+                    replacement[read].meta.update(read.meta)
+        for node in moved:
+            for read, carried_read in replacement.items():
+                if read in node.all_input_nodes:
+                    node.replace_input_with(read, carried_read)
 
     def _carried_launch_point(self, item: ScheduledItem) -> fx.Node:
         """Where a next-update item's carried gradient is launched: the start of the backward (the plan's

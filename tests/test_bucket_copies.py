@@ -192,11 +192,13 @@ def test_launches_keep_plan_order_when_later_items_are_ready_earlier():
     items = [ScheduledItem(i, tuple(whole(c) for c in group), GROUP.name, 2, apply=APPLY_NEXT_FORWARD)
              for i, group in enumerate(groups)]
     gm = _compile(captured, items, {i: ItemPhase() for i in range(len(items))})
-    # Each item's launch leaves the graph as its carry ``pending:<id>``: read the item of every launch from there.
+    # Each item's launch leaves the graph as its carry ``pending:<id>``: read the item of every launch from there
+    # (the call's learning rates, ``lr:<group>``, leave with them).
     layout = gm.meta["deft_layout"]
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     carried = outputs[len(outputs) - len(layout.carry_outputs):]
-    item_of = {node: int(key.split(":")[1]) for key, node in zip(layout.carry_outputs, carried)}
+    item_of = {node: int(key.split(":")[1]) for key, node in zip(layout.carry_outputs, carried)
+               if key.startswith("pending:")}
     launches = _calls(gm, ALL_REDUCE_)
     assert len(launches) == len(items) and set(launches) == set(item_of)
     assert [item_of[launch] for launch in launches] == [0, 1, 2, 3]

@@ -570,10 +570,12 @@ def test_a_duel_whose_rounds_disagree_runs_on_to_duel_max_rounds():
 @pytest.mark.parametrize("priority_ms, winner", [(30.0, "ddp-buckets"), (-100.0, "priority")])
 def test_a_priority_plan_close_to_ddps_buckets_must_win_a_duel_against_them(priority_ms, winner):
     """The shape of the suite's transformer launches: DDP's buckets are measured first and the host
-    gets faster (here 20 ms per step), so the priority plans measured later lead by 4-17 %, less than
-    ``duel_margin``. Interleaved, the trend cancels: a priority plan truly 30 ms slower loses to DDP's buckets
-    (chosen from the sequential numbers, it ran), one truly 100 ms faster wins. Plans with delays are 1 s slower."""
-    args = (1000.0, 50, -20.0, 2, priority_ms, 2000.0)
+    gets faster (here 100 ms per step), so the priority plans measured later lead by 4-17 %, less than
+    ``duel_margin``. Interleaved, the trend cancels: a priority plan truly 1.5 % slower loses to DDP's buckets
+    (chosen from the sequential numbers, it ran), one truly 5 % faster wins. Plans with delays are 5 s slower.
+    The injected times are large (a 10 s base) so that the real step's noise on a loaded host, a few hundred
+    ms in a one-step block, stays small beside the differences the duel must resolve."""
+    args = (5000.0, 50, -100.0, 2, priority_ms * 5, 10000.0)
     results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
     for report in results:
         duels = [h["closed_loop"]["duel"] for h in report["history"] if "duel" in h.get("closed_loop", {})]

@@ -13,7 +13,7 @@ import pytest
 
 from deft_compile.tools.launcher import run_local_workers
 from models import CASES
-from workers import check_entry, compare_policy_with_ddp
+from workers import check_entry, compare_policy_with_ddp, policy_with_lr_schedule_beside_ddp
 
 STEPS = 6
 POLICIES = ["bytescheduler", "usbyte", "deft-sync"]
@@ -70,3 +70,21 @@ def test_buffer_broadcast_runs_beside_the_all_reduces_not_behind_them(policy_rep
             assert len(groups["broadcast"]) == 1 and not set(groups["broadcast"]) & set(groups["all_reduce"]), groups
         else:
             assert not groups["broadcast"], groups
+
+
+@pytest.mark.parametrize("policy,case", [("bytescheduler", "mlp_dropout_sgd"), ("usbyte", "mlp_dropout_sgd"),
+                                         ("bytescheduler", "transformer_tied_adamw_groups")])
+def test_updates_moved_to_the_next_forward_keep_their_steps_learning_rate(policy, case):
+    """An LR scheduler steps between calls, so call t+1 (or a flush after step t) runs with step t+1's rate; the
+    update of step t that the plan moved there still applies step t's rate, as DDP's does. Flushes in the middle
+    of training, and steps after them, too (SGD bit-identical; AdamW with two param groups, two rates)."""
+    results = run_local_workers(policy_with_lr_schedule_beside_ddp, 2, (case, 7, policy, (2, 3)), timeout_s=240)
+    exact = CASES[case][5]
+    for rank, result in enumerate(results):
+        report = result.value
+        assert any(entry["deferred"] for entry in report["steps"]), "the plan must defer updates"
+        for entry in report["steps"]:
+            _check(entry, exact, f"{policy}/{case} rank {rank} step {entry['step']}"
+                                 + (" after flush" if entry.get("flushed") else ""))
+        _check(report["final"], exact, f"{policy}/{case} rank {rank} after the last flush")
+        assert report["pending_after_flush"] == []

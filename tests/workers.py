@@ -313,6 +313,94 @@ def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, p
             "has_buffers": any(b.numel() for b in deft_model.buffers())}
 
 
+def policy_with_lr_schedule_beside_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
+                                       flush_after: tuple[int, ...] = ()) -> dict:
+    """``compare_policy_with_ddp`` with a learning rate that changes every step (a ``LambdaLR`` warm-up, stepped
+    after every step on both sides, as training loops do) and ``flush()`` after the steps in ``flush_after``,
+    training on after each. A plan that moves step t's update into call t+1 (or into a flush) must still apply
+    it at step t's learning rate, as DDP does."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    solver_policy = "deft" if policy == "deft-sync" else policy
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=solver_policy, profile=profile,
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[policy]))
+    factor = lambda t: (t + 1) / steps  # noqa: E731  a different rate at every step
+    schedulers = [LambdaLR(ddp_optimizer, factor), LambdaLR(deft_optimizer, factor)]
+    report = []
+    for t, (inputs, targets) in enumerate(batches):
+        # the first call after a flush applies nothing, so its deferred parameters hold no ``.grad``
+        entry, deferred = _step_beside_ddp(step, rank, t, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer,
+                                           deft_model, deft_optimizer, deferred_grads=t - 1 not in flush_after)
+        for scheduler in schedulers:
+            scheduler.step()
+        entry.update(step=t, deferred=len(deferred))
+        report.append(entry)
+        if t in flush_after:
+            step.flush()
+            flushed = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+            report.append({**flushed, "step": t, "flushed": True, "deferred": 0})
+    step.flush()
+    final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+    return {"steps": report, "final": final, "pending_after_flush": step.pending,
+            "rates": [group["lr"] for group in deft_optimizer.param_groups]}
+
+
+def synchronous_deft_beside_ddp(rank: int, world_size: int, steps: int, closed_loop: bool,
+                                switches: dict[int, str] | None = None, flush_after: tuple[int, ...] = ()) -> dict:
+    """``deft`` whose every plan is synchronous, beside torch DDP on the same batches, under AdamW with two param
+    groups and a learning rate that changes every step: what must not change training does run. The Preserver
+    measures staleness (its synchronous start, on a profile whose unpriced plan delays, with a price that keeps
+    every delay out); with ``closed_loop`` the closed loop trials ByteScheduler's and US-Byte's plans and duels;
+    ``switches`` forces ``switch_plan`` to a policy's plan before the given steps, and ``flush_after`` flushes
+    after the given steps. Parameters whose update a plan defers to the next forward are compared with DDP's
+    previous step, the rest with DDP's current one."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from deft_compile.planner.solvers import solve
+    from deft_compile.preserver import PreserverConfig
+
+    case = "transformer_tied_adamw_groups"
+    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(base)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    loop = ClosedLoopConfig(enabled=closed_loop, warmup_steps=1, measure_steps=2, min_window_ms=0.0, duel_rounds=2,
+                            duel_steps=1, duel_max_rounds=2)
+    preserver = PreserverConfig(start_synchronous=True, staleness_every=10, staleness_price=1e9, check_every=5)
+    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
+                        config=DeftConfig(plan_options=POLICY_OPTIONS["deft"], preserver=preserver, closed_loop=loop))
+    factor = lambda t: 0.2 + 0.8 * (t + 1) / steps  # noqa: E731  a different rate at every step
+    schedulers = [LambdaLR(ddp_optimizer, factor), LambdaLR(deft_optimizer, factor)]
+    report, delayed, policies = [], 0, set()
+    for t, (inputs, targets) in enumerate(batches):
+        if t in (switches or {}):
+            step.switch_plan({}, f"forced: {switches[t]}", plan=solve(step.profile, switches[t]))
+        ran = step.plan
+        entry, deferred = _step_beside_ddp(step, rank, t, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer,
+                                           deft_model, deft_optimizer, deferred_grads=False)
+        for plan in (ran or step.plan, step.plan):  # the plan this step ran, and the one a decision after it chose
+            policies.add(plan.policy)
+            delayed = max(delayed, sum(1 for item in plan.items if item.delay or item.period > 1))
+        for scheduler in schedulers:
+            scheduler.step()
+        entry.update(step=t, deferred=len(deferred))
+        report.append(entry)
+        if t in flush_after:
+            step.flush()
+    step.flush()
+    final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ddp_model, ddp_optimizer))
+    return {"steps": report, "final": final, "stale_items": delayed, "policies": sorted(policies),
+            "probes": [s for s, _ in step.preserver.staleness_log],
+            "largest_share": [max(shares.values()) for _, shares in step.preserver.staleness_log], "deferred_steps": sum(1 for e in report if e["deferred"]),
+            "history": [(h["step"], h["reason"]) for h in step.plan_history], "switches": step.plan_switches}
+
+
 def _delayed_names(step) -> set[str]:
     return {step.profile.params[s.param].name for item in step.plan.items if item.delay == 1 for s in item.slices}
 
@@ -334,7 +422,7 @@ class PlanReference:
     """
 
     def __init__(self, model, optimizer, loss_fn, schedule: dict[str, tuple[int, int, int]], world_size: int,
-                 max_grad_norm: float | None = None, local: bool = False, compensated: bool = False) -> None:
+                 max_grad_norm: float | None = None, local: bool = False, compensated: bool | str = False) -> None:
         import torch.distributed as dist
 
         self.dist = dist
@@ -346,7 +434,10 @@ class PlanReference:
         self.accumulated: dict[str, tuple[torch.Tensor, int]] = {}
         self.local = local
         self.local_pending: dict[str, torch.Tensor] = {}  # g_{t-1} / W, all-reduced in the next step
-        self.compensated = compensated  # delayed_update="compensated": CompensatedUpdate for the delayed parameters
+        # delayed_update="compensated": CompensatedUpdate for the delayed parameters ("predict-only" / "nesterov-only":
+        # one half of it, for experiments)
+        self.compensated = compensated
+        self._halves = {"predict": compensated != "nesterov-only", "nesterov": compensated != "predict-only"}
         self.t = 0
 
     def _average(self, total: torch.Tensor, count: int) -> torch.Tensor:
@@ -361,7 +452,7 @@ class PlanReference:
         for buffer in self.model.buffers():
             self.dist.broadcast(buffer, src=0)
         self.optimizer.zero_grad(set_to_none=True)
-        compensated = CompensatedUpdate(self.optimizer, self.model, self._compensated_names())
+        compensated = CompensatedUpdate(self.optimizer, self.model, self._compensated_names(), **self._halves)
         with compensated.predicted_weights():  # forward and backward at ŵ (compensated only)
             self.loss_fn(self.model(inputs), targets).backward()
         for name, p in self.model.named_parameters():
@@ -415,7 +506,7 @@ class PlanReference:
                 total, count = self.accumulated.pop(name)
                 p.grad = self._average(total, count)
         self._clip()
-        CompensatedUpdate(self.optimizer, self.model, self._compensated_names()).step()
+        CompensatedUpdate(self.optimizer, self.model, self._compensated_names(), **self._halves).step()
 
 
 class CompensatedUpdate:
@@ -424,8 +515,9 @@ class CompensatedUpdate:
     is no state yet), and their update in Nesterov form (SGD: w −= lr·(g + β v'); Adam, AdamW: the update divides
     β1 m' + (1 − β1) g). The optimizer updates every other parameter as usual."""
 
-    def __init__(self, optimizer, model, names: set[str]) -> None:
+    def __init__(self, optimizer, model, names: set[str], *, predict: bool = True, nesterov: bool = True) -> None:
         self.optimizer, self.names = optimizer, names
+        self.predict, self.nesterov = predict, nesterov  # each half alone: experiments (compensated_eager.py)
         self.params = {p: n for n, p in model.named_parameters() if n in names}
         self.group = {p: g for g in optimizer.param_groups for p in g["params"]}
 
@@ -447,7 +539,7 @@ class CompensatedUpdate:
         def swapped():
             saved = {}
             with torch.no_grad():
-                for p in self.params:
+                for p in (self.params if self.predict else ()):
                     direction = self._direction(p)
                     if direction is not None:
                         saved[p] = p.detach().clone()
@@ -477,7 +569,7 @@ class CompensatedUpdate:
         buf = state.get("momentum_buffer")
         buf = g.clone() if buf is None else buf.mul_(group["momentum"]).add_(g)
         state["momentum_buffer"] = buf
-        p.add_(g.add(buf, alpha=group["momentum"]), alpha=-group["lr"])
+        p.add_(g.add(buf, alpha=group["momentum"]) if self.nesterov else buf, alpha=-group["lr"])
 
     def _adam(self, p, g) -> None:
         group, state = self.group[p], self.optimizer.state[p]
@@ -494,7 +586,7 @@ class CompensatedUpdate:
         step = float(state["step"])
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        nesterov = state["exp_avg"].lerp(g, 1 - beta1)
+        nesterov = state["exp_avg"].lerp(g, 1 - beta1) if self.nesterov else state["exp_avg"]
         denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
         p.addcdiv_(nesterov, denom, value=-group["lr"] / (1 - beta1 ** step))
 

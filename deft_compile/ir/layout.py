@@ -15,7 +15,8 @@ class GraphLayout:
     ``num_user_inputs`` user tensors, ``num_lr_inputs`` learning rates (one
     0-dim float64 tensor per param group, or none), ``num_scaler_inputs`` loss-scaler
     tensors (none, or the scale and its growth tracker), then carries
-    (``carry_inputs``: keys such as ``pending:3`` or ``acc:3``).
+    (``carry_inputs``: keys such as ``pending:3`` or ``acc:3``, and ``lr:0`` per param group: the learning
+    rates of the previous call, for the updates it moved into this one).
     Outputs: the loss (unless ``has_loss`` is false), new optimizer-state
     tensors (``state_outputs``), the applied gradients (``gradient_outputs``,
     parameter indices), then carries (``carry_outputs``, keys; those starting with

@@ -50,6 +50,7 @@ class WatchedStep(Protocol):
     loss_fn: Callable[..., torch.Tensor] | None
     config: Any  # DeftConfig: max_grad_norm is replayed by the loss attribution
     last_call_updated: bool
+    last_call_moved_weights: bool  # the last call applied an update (a staleness probe needs weights that moved)
     plan: Plan | None
     profile: Profile | None
     step_count: int
@@ -258,6 +259,13 @@ class PreserverMonitor:
         self._loss_count += 1
         event = None
         self._keep_since_best(args, kwargs)
+        if self._before is not None and not self.step.last_call_moved_weights:
+            # No weight moved in this call (the first call of a plan that moves its updates into the next call,
+            # or a skipped update): the gradient change is zero by construction, not a measured price of zero.
+            # The trade's measurement moves to the next call (the veto mode's waits for its next due step); every
+            # rank runs the same plan and sees the same inf/NaN flag, so every rank skips alike.
+            self._before = None
+            self.preserver.probes.postpone(1)
         if self._before is not None and self.config.trade:
             started = time.perf_counter()
             changes, probe_ms = self._parameter_changes(args, kwargs)

@@ -30,7 +30,7 @@ from deft_compile.debug.artifacts import MeasuredTimelineRecorder, measured_step
 from deft_compile.debug.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.passes.gradient_guards import FOUND_INF_KEY, GRAD_NORM_KEY
-from deft_compile.passes.schedule import ItemPhase, ScheduledItem, accumulator_key, pending_key
+from deft_compile.passes.schedule import ItemPhase, ScheduledItem, accumulator_key, item_of_key, pending_key
 from deft_compile.planner.plan import Plan
 from deft_compile.step.capture import CapturedStep, StateSlot, ambient_autocast, capture_step, split_user_inputs
 from deft_compile.step.compensation import compensation_for
@@ -74,6 +74,10 @@ class StepRunner:
         self.last_grad_norm: torch.Tensor | None = None  # total gradient norm of the latest clipped update
         self.last_update_skipped = False  # loss scaling found an inf/NaN in the latest update and skipped it
         self.last_call_updated = False  # the last call applied an optimizer update (False while accumulating)
+        # the last call moved weights: False for a call that applies no update although it ends a cycle (the first
+        # call of a plan that moves every update into the next call, an update skipped for an inf/NaN)
+        self.last_call_moved_weights = False
+        self._run_moved_weights = False
         self._verified_signature: list | None = None
         self._recorder: MeasuredTimelineRecorder | None = None
         self._record_stats = record_stats  # each call's per-item statistics (``"stats:<item>"`` outputs)
@@ -101,7 +105,7 @@ class StepRunner:
 
     @property
     def pending(self) -> list[int]:
-        return sorted({int(key.split(":")[1]) for key in self.carry})
+        return sorted({item_of_key(key) for key in self.carry} - {None})
 
     # -- a call -------------------------------------------------------------------------------
     def prepare(self, args: tuple, kwargs: dict, plan: Plan | None) -> tuple[CompiledGraph, list, dict]:
@@ -133,6 +137,7 @@ class StepRunner:
                 self.accumulated[item.id] = 0 if phases[item.id].communicate else phases[item.id].count
         self.last_call = (args, kwargs)
         self.last_call_updated = self.updates_at(self.step_count)
+        self.last_call_moved_weights = self._run_moved_weights
         self.step_count += 1
 
     def flush(self, plan: Plan | None) -> None:
@@ -315,6 +320,7 @@ class StepRunner:
         skipped = bool(found_inf) if found_inf is not None else False
         if found_inf is not None:
             self.last_update_skipped = skipped
+        self._run_moved_weights = bool(layout.gradient_outputs) and not skipped
         norm = carried.pop(GRAD_NORM_KEY, None)
         if norm is not None:
             self.last_grad_norm = norm

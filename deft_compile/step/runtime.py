@@ -241,6 +241,12 @@ class CompiledStep:
         return self.runner.last_call_updated
 
     @property
+    def last_call_moved_weights(self) -> bool:
+        """The last call moved weights (False also for a cycle's end that applied nothing: the first call of a plan
+        that moves its updates into the next call, an update skipped for an inf/NaN)."""
+        return self.runner.last_call_moved_weights
+
+    @property
     def trace_count(self) -> int:
         """Step graphs built (passes run), one per cache miss."""
         return self.runner.trace_count
