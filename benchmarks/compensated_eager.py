@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+sys.path.append(str(ROOT / "examples"))  # corpus.py
 
 
 def run(model_name: str, optimizer_name: str, lr: float, steps: int, seed: int, mode: str) -> dict:
@@ -36,8 +37,9 @@ def run(model_name: str, optimizer_name: str, lr: float, steps: int, seed: int, 
     import torch.nn.functional as F
 
     from deft_compile.tools.bench_models import _teacher_images
-    from deft_compile.tools.corpus import load_stdlib_corpus, random_windows
-    from deft_compile.tools.presets import GPT2Style, ResNetStyle, lm_loss
+    from corpus import load_stdlib_corpus, random_windows
+    from deft_compile.tools.presets import GPT2Style, ResNetStyle
+    from lm_models import lm_loss
     from workers import PlanReference
 
     torch.manual_seed(seed)

@@ -62,9 +62,9 @@ import torch.nn.functional as F
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.tools.launcher import run_local_workers
 from deft_compile.planner.plan import LinkCost, Profile
-from deft_compile.tools.presets import CausalLM, lm_loss
+from lm_models import CausalLM, lm_loss
 from deft_compile.preserver import PreserverConfig
-from deft_compile.planner.profiler import profile_model
+from deft_compile.step.profiler import profile_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for path in (str(HERE), str(ROOT / "tests")):
+for path in (str(HERE), str(ROOT / "tests"), str(ROOT / "examples")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
@@ -313,7 +313,7 @@ def part_profiler(device, quick: bool, checks: Checks) -> None:
     import torch.fx as fx
 
     from deft_compile.planner.plan import LinkCost
-    from deft_compile.planner.profiler import attribute_times, measure_node_times
+    from deft_compile.step.profiler import attribute_times, measure_node_times
     from deft_compile.step.capture import capture_step, split_user_inputs
     from deft_compile.step.optim_support import lr_inputs
     from deft_compile.step.pipeline import annotate_capture
@@ -572,10 +572,10 @@ def part_overlap(device, quick: bool, checks: Checks, out_dir: Path) -> None:
     import emulated_link as el
 
     from deft_compile import DeftConfig, deft_compile
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
     from deft_compile.planner.simulator import simulate
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
     from deft_compile.timing import clock_for, resolve_ms
 
     if device.type == "cuda":
@@ -678,8 +678,8 @@ def part_accuracy(device, quick: bool, checks: Checks, out_dir: Path, compiler: 
     import emulated_link as el
 
     from deft_compile import DeftConfig, deft_compile
-    from deft_compile.planner.profiler import profile_model
-    from deft_compile.tools.corpus import load_stdlib_corpus, random_windows
+    from deft_compile.step.profiler import profile_model
+    from corpus import load_stdlib_corpus, random_windows  # examples/corpus.py
     from deft_compile.tools.presets import GPT2Style
 
     if device.type == "cuda":

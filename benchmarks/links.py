@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from deft_compile.tools.launcher import run_local_workers
 from deft_compile.tools.netns import ShapedLoopback, TwoHostLinks, check_prerequisites, link_group
-from deft_compile.planner.profiler import fit_alpha_beta, measure_allreduce
+from deft_compile.planner.link_fit import fit_alpha_beta
+from deft_compile.step.profiler import measure_allreduce
 
 MB = 1 << 20
 FIT_SIZES = [64 * 1024, 256 * 1024, MB, 4 * MB, 16 * MB]

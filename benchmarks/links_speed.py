@@ -60,7 +60,7 @@ from deft_compile.tools.launcher import run_local_workers  # noqa: E402
 from deft_compile.tools.netns import ShapedLoopback, TwoHostLinks, check_prerequisites  # noqa: E402
 from deft_compile.preserver import PreserverConfig  # noqa: E402
 from deft_compile.tools.presets import mlp  # noqa: E402
-from deft_compile.planner.profiler import measure_allreduce  # noqa: E402
+from deft_compile.step.profiler import measure_allreduce  # noqa: E402
 
 MiB = 1 << 20
 

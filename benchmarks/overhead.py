@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.tools.bench import eager_step
 from deft_compile.tools.bench_models import resolve_model
-from deft_compile.tools.presets import lm_loss
+from lm_models import lm_loss
 
 
 def mlp() -> nn.Module:

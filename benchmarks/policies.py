@@ -56,7 +56,8 @@ from deft_compile.tools.bench import eager_step, quantile
 from deft_compile.tools.launcher import run_local_workers
 from deft_compile.tools.netns import ShapedLoopback, check_prerequisites
 from deft_compile.planner.plan import Plan, Profile
-from deft_compile.planner.profiler import fit_alpha_beta, measure_allreduce
+from deft_compile.planner.link_fit import fit_alpha_beta
+from deft_compile.step.profiler import measure_allreduce
 from deft_compile.planner.simulator import coverage_rate, simulate
 
 MiB = 1 << 20

@@ -23,7 +23,7 @@ from deft_compile.planner.plan import Profile
 from deft_compile.planner.simulator import simulate
 from deft_compile.planner.solvers import solve
 from deft_compile.planner.stability import predicted_ms
-from deft_compile.step.closed_loop import (PRIOR_WEIGHT, contention_parts, refine_from_threads, refine_scales,
+from deft_compile.planner.refine import (PRIOR_WEIGHT, contention_parts, refine_from_threads, refine_scales,
                                          scaled_profile)
 
 

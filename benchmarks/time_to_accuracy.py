@@ -8,8 +8,8 @@ gloo workers: DDP, deft (defaults: delays and update periods, Preserver on), def
 without update periods; same initial weights, same batches, interleaved in chunks in one process pair. Writes
 ``<out>/time_to_accuracy.json`` (or ``--json``), ``<out>/time_to_accuracy_time.png`` and ``..._steps.png``,
 prints the table and rewrites the results section of ``--docs`` between ``<!-- tta:begin -->`` and
-``<!-- tta:end -->``. Everything is in ``deft_compile.tools.time_to_accuracy``; ``deft-compile bench
---time-to-accuracy`` runs the same code.
+``<!-- tta:end -->``. Everything is in ``benchmarks/tta.py``; ``deft-compile bench --time-to-accuracy``
+runs the same code from a checkout.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from deft_compile.compilers import COMPILERS
     from deft_compile.tools.bench import parse_rate
-    from deft_compile.tools.time_to_accuracy import (
+    from tta import (
         DEFAULT_VARIANTS,
         SIZES,
         VARIANTS,

@@ -7,8 +7,20 @@ from typing import Any
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
 from deft_compile.preserver import PreserverConfig
-from deft_compile.step.closed_loop import ClosedLoopConfig
+from deft_compile.planner.closed_loop import ClosedLoopConfig
 from deft_compile.compilers import check_compiler, default_compiler
+
+
+#: what a ``DeftConfig.links`` spec may name: ``"gloo"``, ``"gloo:IFNAME"`` or ``"nccl"`` (``deft_compile.step.links``)
+LINK_KINDS = ("gloo", "nccl")
+
+
+def parse_link(spec: str) -> tuple[str, str | None]:
+    """(kind, interface or None) of a link spec; ``ValueError`` for anything else."""
+    kind, _, interface = spec.partition(":")
+    if kind not in LINK_KINDS or (kind == "nccl" and interface):
+        raise ValueError(f"unknown link {spec!r}: use 'gloo', 'gloo:IFNAME' or 'nccl'")
+    return kind, interface or None
 
 
 #: ``DeftConfig.delayed_update`` values: DESIGN.md §4's semantics, the opt-in local-then-corrected one, and the
@@ -59,8 +71,9 @@ class DeftConfig(BucketSizes):
         loss_scale: ``"dynamic"`` for fp16 dynamic loss scaling inside the step with ``torch.amp.GradScaler``'s
             defaults and rules, or a ``torch.amp.GradScaler`` whose settings and scale tensors are used; an update
             whose gradients hold an inf or NaN is skipped on every rank. None: no scaling, as DDP.
-        closed_loop: closed-loop planning (``deft_compile.step.closed_loop``): measure the plan, refine the
-            profile, try the synchronous and re-solved plans, keep the fastest measured. On for ``deft``,
+        closed_loop: closed-loop planning (``deft_compile.planner.closed_loop``; ``deft_compile.step.closed_loop``
+            measures): measure the plan, refine the profile, try the synchronous and re-solved plans, keep the
+            fastest measured. On for ``deft``,
             ``bytescheduler`` and ``usbyte`` because a profile taken once on a few runs can be wrong for the
             running step.
         compiler: what runs the rewritten step graph: ``"inductor"`` (collectives and waits stay where the plan
@@ -126,7 +139,5 @@ class DeftConfig(BucketSizes):
         if self.contention is not None and not 0.0 <= self.contention <= 1.0:
             raise ValueError(f"contention must be in [0, 1], or None to measure it; got {self.contention}")
         check_compiler(self.compiler, source="DeftConfig.compiler")
-        from deft_compile.step.links import parse_link
-
         for spec in self.links:
             parse_link(spec)

@@ -25,9 +25,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from corpus import load_stdlib_corpus as load_corpus  # examples/corpus.py, beside this script
+from corpus import random_windows as batch
 from deft_compile import DeftConfig, deft_compile
-from deft_compile.tools.corpus import load_stdlib_corpus as load_corpus
-from deft_compile.tools.corpus import random_windows as batch
 from deft_compile.tools.launcher import init_from_torchrun
 from deft_compile.tools.presets import GPT2Style
 

@@ -9,7 +9,7 @@ DDP's all-reduce with one compiled step; the rest of the loop is unchanged.
     torchrun --standalone --nproc-per-node 2 examples/train_gpt2_hf.py --tiny --steps 4   # smoke test
     python examples/train_gpt2_hf.py --steps 50                                      # one process
 
-Text: this Python's standard-library sources as bytes (``deft_compile.tools.corpus``; offline,
+Text: this Python's standard-library sources as bytes (``examples/corpus.py``; offline,
 the last 10 % held out). The model is built from a ``GPT2Config``: nothing is downloaded.
 """
 
@@ -23,8 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from corpus import load_stdlib_corpus, random_windows  # examples/corpus.py, beside this script
 from deft_compile import DeftConfig, deft_compile
-from deft_compile.tools.corpus import load_stdlib_corpus, random_windows
 from deft_compile.tools.launcher import init_from_torchrun
 
 

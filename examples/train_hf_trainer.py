@@ -13,7 +13,7 @@ training step is one compiled graph: forward, Trainer's loss, backward, the poli
 ``DEFT_COMPILER=aten`` in front runs the step graphs without Inductor (a smoke test in seconds; Inductor compiles
 every graph the closed loop tries, minutes on a 2-core CPU).
 
-Text: this Python's standard-library sources as bytes (``deft_compile.tools.corpus``; offline, the last 10 % held
+Text: this Python's standard-library sources as bytes (``examples/corpus.py``; offline, the last 10 % held
 out), cut into windows of ``--context`` bytes. The model is built from a ``GPT2Config``: nothing is downloaded.
 """
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from deft_compile import DeftConfig
     from deft_compile.integrations.transformers import DeftTrainer
-    from deft_compile.tools.corpus import load_stdlib_corpus
+    from corpus import load_stdlib_corpus  # examples/corpus.py, beside this script
 
     size = (dict(batch=4, context=32, layers=2, dim=32, max_bytes=1 << 17, eval_steps=3)
             if args.tiny else dict(batch=8, context=128, layers=4, dim=128, max_bytes=8 << 20, eval_steps=50))

@@ -12,11 +12,20 @@ starts an interpreter and imports torch, deft_compile and the test helpers
 them once (``launcher.use_forkserver``), a launch costs well under a second.
 ``DEFT_TEST_SPAWN=1`` runs the suite with spawned workers, as the benchmarks
 and the demo start theirs.
+
+The benchmark harnesses the tests run (``benchmarks/tta.py``, ``benchmarks/lm_models.py``) and the examples'
+corpus (``examples/corpus.py``) are imported by module name: both folders are appended to ``sys.path``.
 """
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("DEFT_COMPILER", "aten")
+_ROOT = Path(__file__).resolve().parents[1]
+for _folder in (_ROOT / "benchmarks", _ROOT / "examples"):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
     from deft_compile.tools import launcher
@@ -24,5 +33,5 @@ if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
     launcher.use_forkserver([
         "workers", "loop_workers", "inductor_workers", "backend_workers", "integration_workers", "trainer_workers",
         "hf_models", "models", "transformers", "deft_compile.integrations.transformers", "deft_compile.tools.bench",
-        "deft_compile.tools.demo", "deft_compile.tools.time_to_accuracy",
+        "deft_compile.tools.demo", "tta",
     ])

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deft_compile.tools.presets import CausalLM, lm_loss
+from lm_models import CausalLM, lm_loss  # benchmarks/lm_models.py
 
 
 class DropoutMLP(nn.Module):

@@ -237,7 +237,7 @@ def test_bench_network_cleaned_up_on_error(error):
 def test_every_policy_variant_names_real_config_fields():
     """A bench variant is a policy plus config fields; a misspelt field would only fail inside a launch."""
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
     from deft_compile.tools.bench import POLICY_CHOICES, POLICY_VARIANTS
 
     configs = {"preserver": PreserverConfig, "closed_loop": ClosedLoopConfig}

@@ -9,9 +9,9 @@ import pytest
 
 from deft_compile.planner.zoo_profiles import build_profile
 from deft_compile.planner.solvers import solve
-from deft_compile.step.closed_loop import (ClosedLoopConfig, Duel, compute_floor, contention_parts,
-                                         measured_contention, refine_from_threads, refine_scales, rounds_disagree,
-                                         scaled_profile, window_steps)
+from deft_compile.planner.closed_loop import ClosedLoopConfig, Duel, rounds_disagree, window_steps
+from deft_compile.planner.refine import (compute_floor, contention_parts, measured_contention, refine_from_threads,
+                                       refine_scales, scaled_profile)
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
 from workers import check_entry, closed_loop_recheck_run, closed_loop_run, control_group_run
@@ -214,7 +214,7 @@ def test_a_synchronous_deft_step_measures_and_keeps_a_faster_priority_plan():
 def test_periodic_plans_are_timed_over_whole_cycles():
     from types import SimpleNamespace
 
-    from deft_compile.step.closed_loop import measure_window, plan_step_ms
+    from deft_compile.planner.closed_loop import measure_window, plan_step_ms
 
     periodic = SimpleNamespace(items=[SimpleNamespace(period=4)])
     assert measure_window(periodic, 5) == 12 and measure_window(SimpleNamespace(items=[]), 5) == 5
@@ -227,7 +227,7 @@ def test_periodic_plans_are_timed_over_whole_cycles():
 def test_steps_that_ran_a_graph_cold_are_left_out_of_a_plans_time():
     """An Inductor compile (or a graph's first run) inside the window is the compiler's time, not the plan's:
     such steps count towards the window but not towards the median, unless nothing else is left."""
-    from deft_compile.step.closed_loop import plan_step_ms
+    from deft_compile.planner.closed_loop import plan_step_ms
 
     times, cold = [900.0, 850.0, 10.0, 11.0, 12.0], [True, True, False, False, False]
     assert plan_step_ms(times, 1) == 12.0

@@ -1,39 +1,21 @@
-"""The package's shape: old import paths still work, no import cycles, policies' run-time hooks."""
+"""The package's shape (docs/ARCHITECTURE.md, "Layering"): no import cycles, what each layer may not import,
+where the profiler lives, that the step names no policy, that the package holds only the library and what the
+CLI runs, one version number, how big a class or function may be, and the policies' run-time hooks."""
 
 from __future__ import annotations
 
 import ast
 import collections
-import importlib
 import pathlib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 120
 
 
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("deft_compile.plan", "deft_compile.planner.plan"),
-        ("deft_compile.simulator", "deft_compile.planner.simulator"),
-        ("deft_compile.solvers", "deft_compile.planner.solvers"),
-    ],
-)
-def test_old_import_paths_are_the_same_modules(old: str, new: str) -> None:
-    assert importlib.import_module(old) is importlib.import_module(new)
-
-
-def test_old_style_from_imports_work() -> None:
-    from deft_compile.plan import Plan, Profile  # noqa: F401
-    from deft_compile.simulator import simulate  # noqa: F401
-    from deft_compile.solvers import POLICIES, solve  # noqa: F401
-
-    assert "deft" in POLICIES
-
-
-def _module_graph() -> dict[str, set[str]]:
-    """Every import (function-level ones too) between modules of the package."""
+def _modules() -> dict[str, pathlib.Path]:
     modules: dict[str, pathlib.Path] = {}
     for path in list((ROOT / "deft_compile").rglob("*.py")) + list((ROOT / "passes").glob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -42,16 +24,33 @@ def _module_graph() -> dict[str, set[str]]:
         if parts[-1] == "__init__":
             parts = parts[:-1]
         modules[".".join(parts)] = path
+    return modules
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every module name an import in ``path`` names (function-level imports too; ``from a import b`` names ``a``
+    and ``a.b``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every import (function-level ones too) between modules of the package."""
+    modules = _modules()
     edges: dict[str, set[str]] = collections.defaultdict(set)
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            edges[name].update(t for t in targets if t in modules and t != name)
+        edges[name].update(t for t in _imports(path) if t in modules and t != name)
     return edges
+
+
+def _in(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
 
 
 def test_no_import_cycles() -> None:
@@ -77,30 +76,101 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_layering() -> None:
-    """passes depend only on the graph vocabulary; the Preserver never imports the step; the pure planner
-    (everything in planner/ but the profiler) imports neither torch nor the step."""
-    edges = _module_graph()
-    for module, targets in edges.items():
-        if module.startswith("deft_compile.passes"):
-            assert all(t.startswith(("deft_compile.passes", "deft_compile.ir")) for t in targets), (module, targets)
-        if module.startswith("deft_compile.preserver"):
-            assert not any(t.startswith("deft_compile.step") for t in targets), (module, targets)
-    for path in (ROOT / "deft_compile" / "planner").rglob("*.py"):
-        if path.name == "profiler.py":
+#: (what, which modules, what they may not import); None: nothing of the package but the passes and ``ir``
+RULES = [
+    ("the passes depend only on the graph vocabulary", ("deft_compile.passes",), None),
+    ("the planner is pure: no torch, no step, no Preserver, no CLI", ("deft_compile.planner",),
+     ("torch", "deft_compile.step", "deft_compile.preserver", "deft_compile.backend", "deft_compile.tools",
+      "deft_compile.debug", "deft_compile.config", "deft_compile.api")),
+    ("the Preserver watches the step through WatchedStep, never imports it", ("deft_compile.preserver",),
+     ("deft_compile.step", "deft_compile.backend", "deft_compile.tools", "deft_compile.api")),
+    ("the configuration imports nothing from the step", ("deft_compile.config",),
+     ("deft_compile.step", "deft_compile.backend", "deft_compile.tools", "deft_compile.api")),
+    ("the step imports no benchmark or CLI code", ("deft_compile.step",), ("deft_compile.tools", "deft_compile.api")),
+    ("only the CLI imports the CLI", ("deft_compile",), ("deft_compile.tools",)),
+]
+#: modules a rule's layer leaves out: the CLI imports itself
+EXCEPT = {"only the CLI imports the CLI": ("deft_compile.tools",)}
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[rule[0] for rule in RULES])
+def test_layers(rule) -> None:
+    what, layer, forbidden = rule
+    modules = _modules()
+    broken = []
+    for name, path in modules.items():
+        if not _in(name, *layer) or _in(name, *EXCEPT.get(what, ())):
             continue
-        tree = ast.parse(path.read_text())
-        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not any(m == "torch" or m.startswith(("torch.", "deft_compile.step")) for m in imported), path
+        for target in _imports(path):
+            if forbidden is None:  # the passes: only passes and ir of the package, anything else outside it
+                bad = _in(target, "deft_compile") and not _in(target, "deft_compile.passes", "deft_compile.ir")
+            else:
+                bad = any(_in(target, f) for f in forbidden)
+            if bad:
+                broken.append((name, target))
+    assert not broken, broken
 
 
-def test_runtime_knows_no_policy_by_name() -> None:
-    source = (ROOT / "deft_compile" / "step" / "runtime.py").read_text()
+def test_the_profiler_is_in_the_step() -> None:
+    """The profiler runs captured graphs and times collectives: it lives in step/ and the planner gets its numbers
+    as a ``Profile``; the link fit it uses is the planner's (pure)."""
+    modules = _modules()
+    assert "deft_compile.step.profiler" in modules and "deft_compile.planner.profiler" not in modules
+    assert "deft_compile.planner.link_fit" in _module_graph()["deft_compile.step.profiler"]
+
+
+def test_the_step_knows_no_policy_by_name() -> None:
+    """No module of step/ names a policy in its code; ``policy_runtime`` is the one place that maps policy names
+    to run-time hooks, and the planner's closed-loop rules name the policies they treat apart."""
     from deft_compile.planner.solvers import POLICIES
 
-    for policy in POLICIES:
-        assert f'"{policy}"' not in source and f"'{policy}'" not in source, policy
+    named = []
+    for path in (ROOT / "deft_compile" / "step").glob("*.py"):
+        if path.name == "policy_runtime.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in POLICIES:
+                named.append((path.name, node.value, node.lineno))
+    assert not named, named
+
+
+def test_the_package_is_the_library() -> None:
+    """Everything in ``deft_compile.tools`` is something the ``deft-compile`` CLI runs (reachable from
+    ``tools.cli``); benchmark harnesses live in ``benchmarks/``. No alias modules."""
+    edges = _module_graph()
+    reached, todo = set(), ["deft_compile.tools.cli"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(edges[module])
+    tools = {name for name in _modules() if _in(name, "deft_compile.tools") and name != "deft_compile.tools"}
+    assert tools <= reached, sorted(tools - reached)
+    for alias in ("plan", "simulator", "solvers"):
+        assert not (ROOT / "deft_compile" / f"{alias}.py").exists(), alias
+
+
+def test_one_version_number() -> None:
+    """``deft_compile.__version__`` is the version; the package metadata reads it."""
+    import deft_compile
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'version = { attr = "deft_compile.__version__" }' in pyproject
+    assert "\nversion =" not in pyproject.split("[project]")[1].split("\n[")[0]
+    assert deft_compile.__version__.count(".") == 2
+
+
+def test_no_class_or_function_is_too_big() -> None:
+    """No class over ``MAX_CLASS_LINES`` lines and no function over ``MAX_FUNCTION_LINES`` in ``deft_compile/``."""
+    too_big = []
+    for path in (ROOT / "deft_compile").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef)
+                     else MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                too_big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                               f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not too_big, too_big
 
 
 def test_policy_runtime_hooks() -> None:

@@ -26,7 +26,8 @@ from deft_compile.tools.netns import (
     created_namespaces,
     link_group,
 )
-from deft_compile.planner.profiler import fit_alpha_beta, measure_allreduce
+from deft_compile.planner.link_fit import fit_alpha_beta
+from deft_compile.step.profiler import measure_allreduce
 
 MB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,7 +166,7 @@ def test_fit_alpha_beta_recovers_parameters():
 def test_fit_alpha_beta_takes_the_latency_from_small_messages():
     """The profiler's sizes (4 KiB .. 4 MiB) on a slow link: 3 % noise on the largest time is 9 ms, more than
     the whole latency. Fitted on relative errors, alpha still comes from the small sizes."""
-    from deft_compile.planner.profiler import LINK_PROBE_BYTES
+    from deft_compile.step.profiler import LINK_PROBE_BYTES
 
     alpha, beta = 1.0, 7e-5
     for noise in (1.03, 0.97):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deft_compile.planner.profiler import measure_node_times
+from deft_compile.step.profiler import measure_node_times
 from deft_compile.step.capture import split_user_inputs
 from deft_compile.step.optim_support import lr_inputs
 from models import captured_batchnorm_cnn

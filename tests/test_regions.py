@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.debug.dump import GraphDumper

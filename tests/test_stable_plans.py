@@ -7,7 +7,7 @@ import random
 import pytest
 
 from deft_compile.planner.plan import Profile
-from deft_compile.planner.profiler import fast_mean
+from deft_compile.planner.link_fit import fast_mean
 from deft_compile.planner.stability import quantise_profile, solve_stable
 from deft_compile.planner.zoo_profiles import build_profile
 

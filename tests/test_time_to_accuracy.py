@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deft_compile.tools import cli
-from deft_compile.tools import time_to_accuracy as tta
+import tta  # benchmarks/tta.py (conftest.py puts benchmarks/ on sys.path)
 
 STEPS, EVAL_EVERY = 8, 4
 VARIANTS = (*tta.DEFAULT_VARIANTS, "deft-sync")

@@ -53,7 +53,7 @@ def test_the_host_clock_times_calls_and_nodes():
 def test_the_profiler_brackets_every_node_behind_a_device_sleep():
     """On a device the profiler queues each node's kernels behind a short device sleep (and a run behind a longer
     one), brackets them with events and reads the events after the run: every timed node gets a time."""
-    from deft_compile.planner.profiler import measure_node_times
+    from deft_compile.step.profiler import measure_node_times
     from deft_compile.step.optim_support import lr_inputs
     from models import captured_batchnorm_cnn
 

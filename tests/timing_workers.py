@@ -8,7 +8,7 @@ import torch
 
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.preserver import PreserverConfig
-from deft_compile.step.closed_loop import ClosedLoopConfig
+from deft_compile.planner.closed_loop import ClosedLoopConfig
 from deft_compile.timing import CudaClock
 
 

@@ -174,7 +174,7 @@ def trainer_against_ddp(rank: int, world_size: int, output_dir: str) -> dict:
 def delaying_profile(model, batch: dict, world_size: int):
     """A deterministic profile of ``model`` whose DeFT plan delays buckets (as ``workers.synthetic_profile``)."""
     from deft_compile.planner.plan import LinkCost
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
 
     scratch = copy.deepcopy(model)
     profile = profile_model(scratch, torch.optim.AdamW(scratch.parameters()), None, (), batch, measure=False)

@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from deft_compile import DeftConfig, deft_compile
-from deft_compile.step.closed_loop import ClosedLoopConfig
+from deft_compile.planner.closed_loop import ClosedLoopConfig
 from models import CASES
 
 
@@ -100,16 +100,16 @@ def _tiny_step(hidden: int, **config):
 def capture_counts(rank: int, world_size: int) -> list[int]:
     """How many times the step has been traced after each of 3 steps (SGD without momentum: no optimizer
     state, so one graph serves every step)."""
-    import deft_compile.step.runtime as runtime
+    import deft_compile.step.runner as runner
 
     calls = []
-    original = runtime.capture_step
+    original = runner.capture_step
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    runtime.capture_step = counting
+    runner.capture_step = counting
     try:
         step = _tiny_step(8)
         counts = []
@@ -118,7 +118,7 @@ def capture_counts(rank: int, world_size: int) -> list[int]:
             counts.append(len(calls))
         return counts
     finally:
-        runtime.capture_step = original
+        runner.capture_step = original
 
 
 def mismatched_models(rank: int, world_size: int) -> str:
@@ -186,7 +186,7 @@ def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, com
     import dataclasses
 
     from deft_compile.planner.plan import LinkCost
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
 
     profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
     params = [
@@ -745,7 +745,7 @@ def delaying_profile(model, optimizer, loss_fn, batch, world_size: int = 2):
     import dataclasses
 
     from deft_compile.planner.plan import LinkCost
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
 
     profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
     params = [dataclasses.replace(p, forward_ms=3.0, backward_ms=1.0, update_ms=0.01) for p in profile.params]
@@ -921,7 +921,7 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
         torch.manual_seed(100 * rank + t)
         loss_fn(probe(inputs), targets).backward()
         local = torch.cat([dict(probe.named_parameters())[n].grad.reshape(-1) for n in names])
-        previous = step._carry.get("acc:0")
+        previous = step.carry.get("acc:0")
         if previous is not None:
             local = previous + local
         torch.manual_seed(100 * rank + t)
@@ -931,7 +931,7 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
         loss_fn(ddp(inputs), targets).backward()
         ddp_optimizer.step()
         applied = torch.cat([params[n].grad.reshape(-1) for n in names])
-        residual = step._carry.get("acc:0", torch.zeros_like(local))
+        residual = step.carry.get("acc:0", torch.zeros_like(local))
         conserved = applied * world_size
         total_residual = residual.clone()
         dist.all_reduce(total_residual)
@@ -949,8 +949,8 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
             "ddp_max_abs": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp_model.parameters())),
             "residual_norm": residual.norm().item(),
         })
-    had_residual = "acc:0" in step._carry
-    nonzero = torch.tensor(float(had_residual and bool(step._carry["acc:0"].count_nonzero())))
+    had_residual = "acc:0" in step.carry
+    nonzero = torch.tensor(float(had_residual and bool(step.carry["acc:0"].count_nonzero())))
     dist.all_reduce(nonzero, op=dist.ReduceOp.MAX)
     before_flush = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     step.flush()
@@ -958,7 +958,7 @@ def dlcp_run(rank: int, world_size: int, deadline_ms, max_loss: float, steps: in
     reference = flat.clone()
     dist.broadcast(reference, src=0)
     return {"steps": report, "budget": step.plan.options["chunk_budget"], "chunks": step.plan.metadata["chunks"],
-            "had_residual": had_residual, "carry_after_flush": sorted(step._carry),
+            "had_residual": had_residual, "carry_after_flush": sorted(step.carry),
             "residual_nonzero_somewhere": bool(nonzero.item()), "flush_moved_weights": not torch.equal(before_flush, flat),
             "replicas_equal_after_flush": bool(torch.equal(flat, reference))}
 
@@ -999,7 +999,7 @@ def closed_loop_run(rank: int, world_size: int, slower_ms: float, steps: int, dr
     measures compute from them while fitting the link to those times re-plans to profiles no model has (a plan
     with update periods, one more trial), which moves the steps the duel tests count on."""
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import PRIORITY_POLICIES, SYNCHRONOUS_DUEL, ClosedLoopConfig
+    from deft_compile.planner.closed_loop import PRIORITY_POLICIES, SYNCHRONOUS_DUEL, ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
@@ -1049,7 +1049,7 @@ def closed_loop_recheck_run(rank: int, world_size: int, steps: int, flip_at: int
     ``flip_at`` and 400 ms slower from then on (a host that got busy; None: never), every plan on a 1000 ms base.
     The loop settles on the plan with delays, re-checks it every 6 steps and must duel again once it slowed."""
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
@@ -1077,7 +1077,7 @@ def closed_loop_priority_run(rank: int, world_size: int, steps: int, replan_at: 
     priority plan (ByteScheduler's or US-Byte's), settle on it when it measures fastest (``inject`` makes it so),
     and run it instead of a synchronous re-plan made at step ``replan_at``. Every step is compared with torch DDP
     (parameters whose update moved to the next forward with DDP's previous step), and after ``flush()`` all."""
-    from deft_compile.step.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
+    from deft_compile.planner.closed_loop import PRIORITY_POLICIES, ClosedLoopConfig
     from deft_compile.preserver import PreserverConfig
 
     case = "mlp_dropout_sgd"
@@ -1112,7 +1112,7 @@ def closed_loop_verify_run(rank: int, world_size: int, steps: int) -> dict:
     """deft settles on its delaying plan (measured faster than the synchronous one), then another re-plan (as the
     Preserver makes them, through ``switch_plan``) adopts a different delaying plan that measures 1 s slower: the
     closed loop must measure it and switch to the synchronous plan."""
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     from deft_compile.preserver import PreserverConfig
@@ -1156,7 +1156,7 @@ def compare_gpt2_delayed_with_reference(rank: int, world_size: int, steps: int, 
     from torch.optim.lr_scheduler import LambdaLR
 
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.tools import time_to_accuracy as tta
+    import tta  # benchmarks/tta.py
 
     torch.manual_seed(0)
     base = tta.build_model("tiny")
@@ -1228,7 +1228,7 @@ def synchronous_start_run(rank: int, world_size: int, profile_given: bool, steps
     """deft with the Preserver's trade: ``start_synchronous`` None resolves to on for a measured profile and off
     for a given one; on, the plan stays synchronous until the first trade (step 25) prices the delays."""
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     profile = profile if profile_given else None
@@ -1267,21 +1267,21 @@ def dssync_buffer_groups(rank: int, world_size: int, average: str) -> dict:
         inputs, targets = make_batch(data)
         dssync(inputs, targets)
     groups = _collective_groups(dssync)
-    step_group = dssync._step_group.name if dssync._step_group is not None else None
+    step_group = dssync.groups.step_group.name if dssync.groups.step_group is not None else None
     dssync.flush()
-    return {"dssync_buffer_group": dssync._buffer_group is not None, "wfbp_buffer_group": wfbp._buffer_group is not None,
+    return {"dssync_buffer_group": dssync.groups.buffer_group is not None, "wfbp_buffer_group": wfbp.groups.buffer_group is not None,
             "groups": groups, "step_group": step_group}
 
 
 def group_thread_cores(rank: int, world_size: int) -> dict:
     """The cores the threads of two newly opened process groups may run on: one from ``dist.new_group``, one
-    from ``deft_compile.tools.emulation.new_group`` (what the library opens its groups with); and the calling
-    (compute) thread's."""
+    from ``deft_compile.step.distributed.new_group`` (what the library opens its groups with, in the context the
+    launcher's emulation registers); and the calling (compute) thread's."""
     import os
 
     import torch.distributed as dist
 
-    from deft_compile.tools.emulation import new_group
+    from deft_compile.step.distributed import new_group
 
     def threads() -> set[int]:
         return {int(tid) for tid in os.listdir("/proc/self/task")}
@@ -1306,7 +1306,7 @@ def control_group_run(rank: int, world_size: int, steps: int) -> dict:
     import torch.distributed as dist
 
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(check_every=2),
@@ -1399,7 +1399,7 @@ def closed_loop_hybrid_run(rank: int, world_size: int, steps: int, priority_sche
     schedule, and still duel against the priority plan."""
     from deft_compile.passes.schedule import APPLY_NEXT_FORWARD, APPLY_NEXT_UPDATE
     from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import PRIORITY_POLICIES
+    from deft_compile.planner.closed_loop import PRIORITY_POLICIES
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
     config = DeftConfig(first_bucket_mb=1e-6, bucket_cap_mb=1e-6, preserver=PreserverConfig(enabled=False),
@@ -1457,7 +1457,7 @@ def contention_probe_run(rank: int, world_size: int) -> dict:
     """``measure_contention`` on the world group: a message long enough to time, and one too short."""
     import torch.distributed as dist
 
-    from deft_compile.planner.profiler import measure_contention
+    from deft_compile.step.profiler import measure_contention
 
     group = dist.group.WORLD
     return {"large": measure_contention(group, 64 << 20), "tiny": measure_contention(group, 64)}

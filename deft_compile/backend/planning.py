@@ -93,7 +93,7 @@ def profile_backward(
     repeats: int = 2,
 ) -> Profile:
     """The ``Profile`` of one backward graph: per parameter (in ready order) its backward ms; the link's α, β."""
-    from deft_compile.planner.profiler import (
+    from deft_compile.step.profiler import (
         LINK_PROBE_BYTES,
         agree_across_ranks,
         fit_alpha_beta,

@@ -413,10 +413,6 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
     n_layers = len(model.layers)
     next_window = model.next_window
     wait_layer = model.wait_kind == _WAIT_LAYER
-    wait_end = model.wait_kind == _WAIT_END
-    wait_next = model.wait_kind == _WAIT_NEXT
-    sync_params = model.param_mode == _UPD_STEP
-    delayed_params = model.param_mode == _UPD_NEXT
     forward_plain = model.layer_forward
     forward_with_updates = model.layer_forward + model.layer_update
     has_layer_waits = bool(wait_layer.any())
@@ -471,47 +467,12 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
             launched[order] = np.arange(1, len(order) + 1)
             ready = ready + np.where(in_backward, launched * message_cpu, 0.0)
         issue = np.choose(model.window, [forward_start, backward_start, ready, backward_end])
-        starts = np.full(len(model.cost), np.nan)
-        ends = np.full(len(model.cost), -np.inf)
-        for index, members in enumerate(model.link_items):
-            if len(members) == 0:
-                continue
-            on = active[members]
-            cost = np.where(on, model.cost[members], 0.0)
-            ready = np.where(on, issue[members], -np.inf)
-            link_end = _fifo(ready, cost, link_free[index])
-            link_free[index] = max(link_free[index], float(link_end[-1]))
-            ends[members] = np.where(on, link_end, -np.inf)
-            starts[members] = link_end - cost
-            if contention and on.any():
-                comm_spans.append(((link_end - cost)[on], link_end[on]))
-            if program >= warmup:
-                link_busy[index] += float(cost.sum())
+        starts, ends = _run_links(model, active, issue, link_free, link_busy if program >= warmup else None,
+                                  comm_spans if contention else None)
         # -- update phase ---------------------------------------------------------
-        now = backward_end + launches[3]
-        mask = wait_end & active
-        if mask.any():
-            now = max(now, float(ends[mask].max()))
-        if model.update_waits_for_all and program >= 1:  # the synchronous update waits for the delayed ones too
-            waited = np.concatenate([ends_prev[wait_next & active_prev & ~next_window],
-                                     ends[wait_next & active & next_window]])
-            if waited.size:
-                now = max(now, float(waited.max()))
-        param_steps = program - model.param_offset
-        sync_ms = float(model.param_update[sync_params & (param_steps % model.param_period == 0)].sum())
-        sync_span = (now, now + sync_ms)
-        now += sync_ms
-        delayed_ms = 0.0
-        if program >= 1:
-            waited = np.concatenate([ends_prev[wait_next & active_prev & ~next_window],
-                                     ends[wait_next & active & next_window]])
-            if waited.size:
-                now = max(now, float(waited.max()))
-            prev_steps = program - 1 - model.param_offset
-            delayed_ms = float(model.param_update[delayed_params
-                                                  & (prev_steps % model.param_period == 0)].sum())
-        delayed_span = (now, now + delayed_ms)
-        now += delayed_ms
+        sync_ms, sync_span, delayed_ms, delayed_span = _update_phase(model, program, backward_end + launches[3],
+                                                                     active, ends, active_prev, ends_prev)
+        now = delayed_span[1]
         if contention:
             compute_spans += [sync_span, delayed_span]
         busy.append(float(durations.sum()) + model.extra_forward + model.backward_total
@@ -537,6 +498,62 @@ def _run(model: _Model, n_links: int, iterations: int | None, warmup: int | None
         exposed_comm_ms=max(0.0, iteration - compute),
         link_busy_ms=[float(x) / measure for x in link_busy], forward_starts=forward_starts,
         measured=(warmup, total), _model=model if record else None, _records=records)
+
+
+def _run_links(model: _Model, active: np.ndarray, issue: np.ndarray, link_free: np.ndarray,
+               link_busy: np.ndarray | None, comm_spans: list | None) -> tuple[np.ndarray, np.ndarray]:
+    """One program's collectives, FIFO per link from ``link_free`` (updated): each item's (start, end), NaN and
+    -inf for items this program does not run. Adds each link's busy time to ``link_busy`` and the items' spans to
+    ``comm_spans`` where given."""
+    starts = np.full(len(model.cost), np.nan)
+    ends = np.full(len(model.cost), -np.inf)
+    for index, members in enumerate(model.link_items):
+        if len(members) == 0:
+            continue
+        on = active[members]
+        cost = np.where(on, model.cost[members], 0.0)
+        ready = np.where(on, issue[members], -np.inf)
+        link_end = _fifo(ready, cost, link_free[index])
+        link_free[index] = max(link_free[index], float(link_end[-1]))
+        ends[members] = np.where(on, link_end, -np.inf)
+        starts[members] = link_end - cost
+        if comm_spans is not None and on.any():
+            comm_spans.append(((link_end - cost)[on], link_end[on]))
+        if link_busy is not None:
+            link_busy[index] += float(cost.sum())
+    return starts, ends
+
+
+def _update_phase(model: _Model, program: int, now: float, active: np.ndarray, ends: np.ndarray,
+                  active_prev: np.ndarray, ends_prev: np.ndarray) -> tuple[float, tuple, float, tuple]:
+    """The update phase of ``program`` from ``now`` (the end of its backward): wait for end-of-backward items, run
+    the synchronous updates, wait for the delayed items of the previous step, run the delayed updates. Returns
+    (synchronous ms, its (start, end), delayed ms, its (start, end))."""
+    next_window = model.next_window
+    wait_next = model.wait_kind == _WAIT_NEXT
+    mask = (model.wait_kind == _WAIT_END) & active
+    if mask.any():
+        now = max(now, float(ends[mask].max()))
+    if model.update_waits_for_all and program >= 1:  # the synchronous update waits for the delayed ones too
+        waited = np.concatenate([ends_prev[wait_next & active_prev & ~next_window],
+                                 ends[wait_next & active & next_window]])
+        if waited.size:
+            now = max(now, float(waited.max()))
+    param_steps = program - model.param_offset
+    sync_params = model.param_mode == _UPD_STEP
+    sync_ms = float(model.param_update[sync_params & (param_steps % model.param_period == 0)].sum())
+    sync_span = (now, now + sync_ms)
+    now += sync_ms
+    delayed_ms = 0.0
+    if program >= 1:
+        waited = np.concatenate([ends_prev[wait_next & active_prev & ~next_window],
+                                 ends[wait_next & active & next_window]])
+        if waited.size:
+            now = max(now, float(waited.max()))
+        prev_steps = program - 1 - model.param_offset
+        delayed_ms = float(model.param_update[(model.param_mode == _UPD_NEXT)
+                                              & (prev_steps % model.param_period == 0)].sum())
+    return sync_ms, sync_span, delayed_ms, (now, now + delayed_ms)
 
 
 class BucketScheduleEvaluator:

@@ -171,13 +171,7 @@ def capture_step(
     autocast_settings = ambient_autocast()
     model_state = ModelState.of(model)
     index_of = model_state.index_of()
-    for group_index, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if p not in index_of:
-                raise TraceError(
-                    f"optimizer param group {group_index} holds a tensor of shape {tuple(p.shape)} that is "
-                    f"not a parameter of the model; deft_compile updates the model's own parameters"
-                )
+    _check_param_groups(optimizer, index_of)
     user_tensors, user_constants, user_spec = split_user_inputs(args, kwargs)
     num_params, num_buffers, num_states = len(model_state.params), len(model_state.buffers), len(state_inputs)
     learning_rates = lr_inputs(optimizer)
@@ -202,17 +196,7 @@ def capture_step(
         tensors = dict(zip(model_state.param_names, params))
         tensors.update(zip(model_state.buffer_names, buffers))
         with tracker.active("forward"), forward_autocast(autocast_settings):
-            if loss_fn is None:
-                output = functional_call(model, tensors, call_args, call_kwargs)
-                loss = loss_of(output)
-            else:
-                if len(call_args) != 2:
-                    raise TraceError(
-                        "with loss_fn given, call the step as step(inputs, targets); "
-                        f"got {len(call_args)} positional arguments"
-                    )
-                output = functional_call(model, tensors, (call_args[0],), call_kwargs)
-                loss = loss_of(loss_fn(output, call_args[1]))
+            loss = _forward_loss(model, tensors, loss_fn, call_args, call_kwargs)
         _check_scalar_loss(loss)
         ops.phase(loss.detach(), "forward")
         with tracker.active("backward"):
@@ -220,14 +204,7 @@ def capture_step(
                 loss.backward()
             else:
                 ((loss / accumulation_steps if accumulation_steps > 1 else loss) * scale).backward()
-        inv_scale = None
-        if scale is not None:
-            inv_scale = scale.double().reciprocal().float()
-            if accumulation_steps > 1:
-                inv_scale = inv_scale * accumulation_steps
-        for index, p in enumerate(params):
-            if p.grad is not None:
-                p.grad = ops.gradient(p.grad * inv_scale if inv_scale is not None else p.grad, index)
+        _mark_gradients(params, scale, accumulation_steps)
         initial = {i: {} for i in range(num_params)}
         for slot, tensor in zip(state_inputs, states):
             initial[slot[0]][slot[1]] = tensor
@@ -236,15 +213,7 @@ def capture_step(
         state_input_ids = {id(t) for t in states}
         with tracker.active("optimizer.step"), traceable_optimizer(optimizer, params, index_of, initial, rates) as traced:
             optimizer.step()
-            new_state = []
-            for index, p in enumerate(params):
-                for key, value in traced.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        if id(value) not in state_input_ids:
-                            state_outputs.append((index, key))
-                            new_state.append(value)
-                    else:
-                        extra_state.setdefault(index, {})[key] = value
+            new_state = _new_state(traced, params, state_input_ids, state_outputs, extra_state)
         gradients = []
         for index, p in enumerate(params):
             if p.grad is not None:
@@ -259,13 +228,7 @@ def capture_step(
     example += learning_rates
     if scale_loss:  # values do not matter: fake tracing; the runtime passes the live scale and tracker
         example += [torch.ones((), dtype=torch.float32), torch.zeros((), dtype=torch.int32)]
-    try:
-        with _compile_session(), tracker.hooks(), no_autocast():
-            graph_module = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
-    except (TraceError, LossError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with the op and module named
-        raise TraceError(tracker.describe_failure(exc)) from exc
+    graph_module = _trace(step, example, tracker)
     check_no_random_after_forward(graph_module)  # activation checkpointing with Dropout (step/recompute_check.py)
     graph_module.meta["deft_layout"] = GraphLayout(
         num_params=num_params,
@@ -289,6 +252,70 @@ def capture_step(
         trainable=[p.requires_grad for p in model_state.params],
         extra_state=extra_state,
     )
+
+
+def _check_param_groups(optimizer: torch.optim.Optimizer, index_of: dict) -> None:
+    for group_index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p not in index_of:
+                raise TraceError(
+                    f"optimizer param group {group_index} holds a tensor of shape {tuple(p.shape)} that is "
+                    f"not a parameter of the model; deft_compile updates the model's own parameters"
+                )
+
+
+def _forward_loss(model: nn.Module, tensors: dict, loss_fn: Callable[..., torch.Tensor] | None, call_args: tuple,
+                  call_kwargs: dict) -> Any:
+    """The forward on ``tensors`` and its loss: ``model``'s own (no ``loss_fn``) or ``loss_fn(output, targets)``."""
+    if loss_fn is None:
+        output = functional_call(model, tensors, call_args, call_kwargs)
+        return loss_of(output)
+    if len(call_args) != 2:
+        raise TraceError(
+            "with loss_fn given, call the step as step(inputs, targets); "
+            f"got {len(call_args)} positional arguments"
+        )
+    output = functional_call(model, tensors, (call_args[0],), call_kwargs)
+    return loss_of(loss_fn(output, call_args[1]))
+
+
+def _mark_gradients(params: list[torch.Tensor], scale: torch.Tensor | None, accumulation_steps: int) -> None:
+    """Wrap each gradient in ``deft.gradient(grad, index)``, unscaled first under loss scaling."""
+    inv_scale = None
+    if scale is not None:
+        inv_scale = scale.double().reciprocal().float()
+        if accumulation_steps > 1:
+            inv_scale = inv_scale * accumulation_steps
+    for index, p in enumerate(params):
+        if p.grad is not None:
+            p.grad = ops.gradient(p.grad * inv_scale if inv_scale is not None else p.grad, index)
+
+
+def _new_state(traced: dict, params: list[torch.Tensor], state_input_ids: set[int], state_outputs: list[StateSlot],
+               extra_state: dict[int, dict[str, Any]]) -> list[torch.Tensor]:
+    """The optimizer-state tensors the traced update created (recorded in ``state_outputs``); its non-tensor state
+    goes to ``extra_state``."""
+    new_state = []
+    for index, p in enumerate(params):
+        for key, value in traced.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                if id(value) not in state_input_ids:
+                    state_outputs.append((index, key))
+                    new_state.append(value)
+            else:
+                extra_state.setdefault(index, {})[key] = value
+    return new_state
+
+
+def _trace(step: Callable[..., tuple], example: list[torch.Tensor], tracker: "_ModuleTracker") -> fx.GraphModule:
+    """``make_fx`` of ``step`` with fake tensors; a failure names the op and module (``TraceError``)."""
+    try:
+        with _compile_session(), tracker.hooks(), no_autocast():
+            return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    except (TraceError, LossError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the op and module named
+        raise TraceError(tracker.describe_failure(exc)) from exc
 
 
 AutocastSettings = tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of every enabled autocast

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,9 +14,25 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deft_compile.errors import ModelMismatchError, PeerFailureError
 from deft_compile.step.pipeline import CommGroup
-from deft_compile.tools.emulation import new_group
 
 log = logging.getLogger("deft_compile")
+
+#: the context every process group the library opens is created in (``set_group_context``)
+_group_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+
+
+def set_group_context(context: Callable[[], ContextManager[Any]] | None) -> None:
+    """Create every later process group the library opens (side groups, links, DS-Sync's groups) inside
+    ``context()``; None: plainly. A launcher that places threads on cores registers its placement here, since a
+    group's communication threads start at its creation and inherit the creating thread's affinity."""
+    global _group_context
+    _group_context = context if context is not None else contextlib.nullcontext
+
+
+def new_group(**kwargs: Any) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(**kwargs)`` (a collective call) inside the registered group context."""
+    with _group_context():
+        return dist.new_group(**kwargs)
 
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> tuple[CommGroup | None, dist.ProcessGroup | None]:

@@ -11,7 +11,7 @@ bound to two network interfaces. A spec is one of:
 * ``"nccl"``: an NCCL group (GPUs).
 
 Every rank must open the same links in the same order (group creation is a
-collective call).
+collective call). The spec grammar is ``deft_compile.config.parse_link``'s.
 """
 
 from __future__ import annotations
@@ -21,18 +21,11 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from deft_compile.config import parse_link
 from deft_compile.errors import NetnsError
-from deft_compile.tools.emulation import new_group
+from deft_compile.step.distributed import new_group
 
-LINK_KINDS = ("gloo", "nccl")
 _LINK_BACKEND = "deft_gloo_if"  # the registered backend name of a gloo group bound to one interface
-
-
-def parse_link(spec: str) -> tuple[str, str | None]:
-    kind, _, interface = spec.partition(":")
-    if kind not in LINK_KINDS or (kind == "nccl" and interface):
-        raise ValueError(f"unknown link {spec!r}: use 'gloo', 'gloo:IFNAME' or 'nccl'")
-    return kind, interface or None
 
 
 def open_link(spec: str, ranks: list[int] | None = None, timeout: timedelta | None = None) -> dist.ProcessGroup:

@@ -19,8 +19,7 @@ import torch.nn as nn
 
 from deft_compile.planner.plan import Plan
 from deft_compile.planner.solvers import dssync_partition
-from deft_compile.step.distributed import average_tensors
-from deft_compile.tools.emulation import new_group
+from deft_compile.step.distributed import average_tensors, new_group
 from deft_compile.step.pipeline import CommGroup
 from deft_compile.timing import comm_device
 

@@ -102,9 +102,11 @@ def static_profile(
 
 
 def _drop_spec(plan: Plan, item, index: ProfileIndex, element_bytes: int) -> DropSpec | None:
-    """DLCP's chunking of ``item``: chunk size in elements, budget, and each chunk's layer rank (input side first)."""
+    """The chunking of ``item`` under a drop rule carried in the plan's options (DLCP's: a deadline and per-item
+    chunk budgets): chunk size in elements, budget, and each chunk's layer rank (input side first); None for a
+    plan without one."""
     options = plan.options
-    if options.get("deadline_ms") is None:
+    if "item_budgets" not in options or options.get("deadline_ms") is None:
         return None
     chunk_numel = max(1, options["chunk_bytes"] // element_bytes)
     layers: list[int] = []
@@ -138,7 +140,7 @@ def scheduled_items(
         else:
             raise ValueError(f"plan item {item.id}: unknown update point {item.update_at!r}")
         slices = tuple(Slice(index.ready[s.param], s.offset, s.count) for s in item.slices)
-        drop = _drop_spec(plan, item, index, element_bytes) if plan.policy == "dlcp" else None
+        drop = _drop_spec(plan, item, index, element_bytes)
         items.append(
             ScheduledItem(
                 id=item.id,

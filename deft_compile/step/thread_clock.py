@@ -3,8 +3,8 @@
 A step's wall time on a CPU host splits three ways: the step thread running (``time.thread_time``), the step
 thread runnable while another thread held its core (the run-queue delay, the kernel's ``run_delay``), and the
 step thread asleep (waiting for a collective). The closed loop reads the first two around every step: the CPU
-time bounds the refined compute (``closed_loop.compute_floor``), and the run-queue delay measures what
-communication running beside the step cost it (``closed_loop.measured_contention``), which the step's time alone
+time bounds the refined compute (``planner.refine.compute_floor``), and the run-queue delay measures what
+communication running beside the step cost it (``planner.refine.measured_contention``), which the step's time alone
 cannot tell apart from a slow link.
 
 The run-queue delay comes from ``/proc/thread-self/schedstat`` (Linux, kernels with scheduler statistics: its

@@ -202,14 +202,10 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     """One rank of one (model, network) configuration: every variant, interleaved. Returns plain data."""
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
 
-    from deft_compile import DeftConfig, deft_compile
-    from deft_compile.tools.emulation import new_group
-    from deft_compile.preserver import PreserverConfig
-    from deft_compile.step.closed_loop import ClosedLoopConfig
+    from deft_compile.step.profiler import measure_allreduce
     from deft_compile.tools.bench_models import resolve_model
-    from deft_compile.planner.profiler import measure_allreduce
+    from deft_compile.tools.emulation import new_group
 
     preset = resolve_model(cfg["model"])
     torch.manual_seed(0)
@@ -224,33 +220,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     bound_group = new_group(ranks=list(range(world_size))) if OVERLAP_BOUND in cfg["variants"] else None
     allreduce_ms = measure_allreduce(None, [grad_bytes], repeats=cfg["link_repeats"], warmup=1)[0][1]
 
-    runners: dict[str, Any] = {}
-    models: dict[str, nn.Module] = {}
-    compiled: dict[str, Any] = {}
-    for name in cfg["variants"]:
-        model = copy.deepcopy(base)
-        optimizer = preset.optimizer(model)
-        models[name] = model
-        if name == "ddp":
-            runners[name] = eager_step(nn.parallel.DistributedDataParallel(model), optimizer, preset.loss_fn)
-        elif name == COMPILED_DDP:  # torch.compile(DDP): Dynamo splits the graph at DDP's buckets (DDPOptimizer)
-            ddp = nn.parallel.DistributedDataParallel(model)
-            runners[name] = eager_step(torch.compile(ddp), optimizer, preset.loss_fn)
-        elif name in ("floor", OVERLAP_BOUND):
-            step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo,
-                                config=DeftConfig(compiler=cfg["compiler"]))
-            if step.world_size != 1:
-                raise RuntimeError("the floor must train locally (one-rank group)")
-            runners[name] = step if name == "floor" else overlap_bound_step(step, grad_bytes, bound_group)
-        else:
-            policy, settings = POLICY_VARIANTS.get(name, (name, {}))
-            links = tuple(cfg["extra_links"]) if policy == "deft" else ()
-            step = deft_compile(model, optimizer, preset.loss_fn, policy=policy,
-                                config=DeftConfig(links=links, compiler=cfg["compiler"],
-                                                  contention=cfg.get("contention", 0.0),
-                                                  preserver=PreserverConfig(**settings.get("preserver", {})),
-                                                  closed_loop=ClosedLoopConfig(**settings.get("closed_loop", {}))))
-            runners[name] = compiled[name] = step
+    runners, models, compiled = _variants(cfg, preset, base, solo, bound_group, grad_bytes)
 
     progress = None
     if rank == 0 and cfg["progress"]:
@@ -320,6 +290,105 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         progress.close()
     dist.barrier()
 
+    by_rank, block_wall = _agree_samples(names, world_size, samples, spans, schedule, traced, losses)
+    for step in compiled.values():
+        if step.pending:
+            step.flush()
+    identical, max_diff = _compare_ddp_wfbp(models)
+    measured = _measured_timeline(cfg, compiled, pool[0], rank)
+
+    # what a user lives through: from a variant's first call, its warm-up (compiles, planning, closed-loop trials)
+    # and its timed steps (this rank's own wall clock; the interleaved blocks of the other variants left out)
+    first_call_s = {name: warmup_s[name] + sum(end - begin for begin, end in zip(spans[name][::2], spans[name][1::2]))
+                    for name in names}
+    result: dict[str, Any] = {"samples_ms": samples, "samples_by_rank_ms": by_rank, "block_wall_ms": block_wall,
+                              "schedule_ms": schedule, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
+                              "first_call_s": first_call_s,
+                              "overheads": {n: {k: v for k, v in s.overheads.items() if isinstance(v, (int, float))}
+                                            for n, s in compiled.items()},
+                              "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff}
+    if rank == 0:
+        result.update(
+            params=sum(p.numel() for p in base.parameters()),
+            gradient_bytes=grad_bytes,
+            batch=batch_size,
+            allreduce_all_ms=allreduce_ms,
+            **_plans_record(compiled),
+            measured_timeline=measured,
+        )
+    return result
+
+
+def _plans_record(compiled: dict[str, Any]) -> dict[str, Any]:
+    """What rank 0 reports of every compiled step: plans, profiles, plan history, closed loop, Preserver."""
+    return dict(
+        plans={n: s.plan.to_json() for n, s in compiled.items()},
+        profiles={n: s.profile.to_json() for n, s in compiled.items()},
+        # the closed loop's record too (measured and predicted ms per candidate, the fitted factors and
+        # contention): what a reader needs to see why a plan was kept
+        plan_history={n: [{k: v for k, v in h.items()
+                           if isinstance(v, (str, int, float, bool, type(None))) or k == "closed_loop"}
+                          for h in json.loads(json.dumps(s.plan_history, default=float))]
+                      for n, s in compiled.items()},
+        trace_counts={n: s.trace_count for n, s in compiled.items()},
+        # the closed loop's own time for the plan that runs (consecutive steps of that plan alone, median,
+        # slowest rank): beside the rounds' time of the same plan it shows what interleaving costs
+        closed_loop_ms={n: s.closed_loop.measured[s.plan.hash()][1] for n, s in compiled.items()
+                        if s.closed_loop is not None and s.plan.hash() in s.closed_loop.measured},
+        preserver={n: s.preserver is not None for n, s in compiled.items()},
+        preserver_dismissed={n: [e.reason for e in s.preserver.dismissed] for n, s in compiled.items()
+                             if s.preserver is not None},
+    )
+
+
+def _variants(cfg: dict[str, Any], preset: Any, base: Any, solo: Any, bound_group: Any,
+              grad_bytes: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Every variant's (runner, model) from one copy of ``base`` each: (runners, models, the compiled steps)."""
+    import torch
+    import torch.nn as nn
+
+    from deft_compile import DeftConfig, deft_compile
+    from deft_compile.planner.closed_loop import ClosedLoopConfig
+    from deft_compile.preserver import PreserverConfig
+
+    runners: dict[str, Any] = {}
+    models: dict[str, nn.Module] = {}
+    compiled: dict[str, Any] = {}
+    for name in cfg["variants"]:
+        model = copy.deepcopy(base)
+        optimizer = preset.optimizer(model)
+        models[name] = model
+        if name == "ddp":
+            runners[name] = eager_step(nn.parallel.DistributedDataParallel(model), optimizer, preset.loss_fn)
+        elif name == COMPILED_DDP:  # torch.compile(DDP): Dynamo splits the graph at DDP's buckets (DDPOptimizer)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            runners[name] = eager_step(torch.compile(ddp), optimizer, preset.loss_fn)
+        elif name in ("floor", OVERLAP_BOUND):
+            step = deft_compile(model, optimizer, preset.loss_fn, policy="wfbp", process_group=solo,
+                                config=DeftConfig(compiler=cfg["compiler"]))
+            if step.world_size != 1:
+                raise RuntimeError("the floor must train locally (one-rank group)")
+            runners[name] = step if name == "floor" else overlap_bound_step(step, grad_bytes, bound_group)
+        else:
+            policy, settings = POLICY_VARIANTS.get(name, (name, {}))
+            links = tuple(cfg["extra_links"]) if policy == "deft" else ()
+            step = deft_compile(model, optimizer, preset.loss_fn, policy=policy,
+                                config=DeftConfig(links=links, compiler=cfg["compiler"],
+                                                  contention=cfg.get("contention", 0.0),
+                                                  preserver=PreserverConfig(**settings.get("preserver", {})),
+                                                  closed_loop=ClosedLoopConfig(**settings.get("closed_loop", {}))))
+            runners[name] = compiled[name] = step
+    return runners, models, compiled
+
+
+def _agree_samples(names: list[str], world_size: int, samples: dict, spans: dict, schedule: dict, traced: dict,
+                   losses: dict) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
+    """Across ranks, in place: a step's time is the slowest rank's (``samples``, ``schedule``), a retrace any
+    rank's (``traced``), a loss the ranks' mean. Returns every rank's own step times and each block's wall time
+    (last rank's end - first rank's start, ms)."""
+    import torch
+    import torch.distributed as dist
+
     def gathered(values: list[float]) -> torch.Tensor:
         """Every rank's ``values``, stacked: (rank, value)."""
         mine = torch.tensor(values, dtype=torch.float64)
@@ -345,70 +414,44 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         mean_losses = torch.tensor(losses[name], dtype=torch.float64)
         dist.all_reduce(mean_losses)
         losses[name] = (mean_losses / world_size).tolist()
-    for step in compiled.values():
-        if step.pending:
-            step.flush()
+    return by_rank, block_wall
 
-    identical, max_diff = None, None
-    if "ddp" in models and "wfbp" in models:  # same batches, same number of steps: compare the trained parameters
-        pairs = list(zip(models["ddp"].parameters(), models["wfbp"].parameters()))
-        same = all(torch.equal(a, b) for a, b in pairs)
-        flags = torch.tensor([0.0 if same else 1.0,
-                              max((float((a.detach() - b.detach()).abs().max()) for a, b in pairs if a.numel()), default=0.0)],
-                             dtype=torch.float64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        identical, max_diff = not bool(flags[0].item()), float(flags[1].item())
 
-    measured = None
-    if cfg.get("measured_timeline") and "deft" in compiled:
-        from deft_compile.debug.artifacts import measured_timeline, plan_cycle
+def _compare_ddp_wfbp(models: dict[str, Any]) -> tuple[bool | None, float | None]:
+    """(identical, max |difference|) of DDP's and ``wfbp``'s trained parameters (same batches, same number of
+    steps), agreed across ranks; (None, None) unless both ran."""
+    import torch
+    import torch.distributed as dist
 
-        step = compiled["deft"]
-        target = Path(cfg["measured_timeline"]) if rank == 0 else Path(cfg["measured_timeline"]).with_name(
-            f"measured_rank{rank}.json")
-        args, kwargs = pool[0]
-        dist.barrier()
-        measured_timeline(lambda: step(*args, **kwargs), target, steps=plan_cycle(step.plan), gantt=rank == 0)
-        if step.pending:
-            step.flush()
-        if rank == 0:
-            measured = _wait_share(target)
+    if "ddp" not in models or "wfbp" not in models:
+        return None, None
+    pairs = list(zip(models["ddp"].parameters(), models["wfbp"].parameters()))
+    same = all(torch.equal(a, b) for a, b in pairs)
+    flags = torch.tensor([0.0 if same else 1.0,
+                          max((float((a.detach() - b.detach()).abs().max()) for a, b in pairs if a.numel()), default=0.0)],
+                         dtype=torch.float64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return not bool(flags[0].item()), float(flags[1].item())
 
-    # what a user lives through: from a variant's first call, its warm-up (compiles, planning, closed-loop trials)
-    # and its timed steps (this rank's own wall clock; the interleaved blocks of the other variants left out)
-    first_call_s = {name: warmup_s[name] + sum(end - begin for begin, end in zip(spans[name][::2], spans[name][1::2]))
-                    for name in names}
-    result: dict[str, Any] = {"samples_ms": samples, "samples_by_rank_ms": by_rank, "block_wall_ms": block_wall,
-                              "schedule_ms": schedule, "retraced": traced, "losses": losses, "warmup_s": warmup_s,
-                              "first_call_s": first_call_s,
-                              "overheads": {n: {k: v for k, v in s.overheads.items() if isinstance(v, (int, float))}
-                                            for n, s in compiled.items()},
-                              "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff}
-    if rank == 0:
-        result.update(
-            params=sum(p.numel() for p in base.parameters()),
-            gradient_bytes=grad_bytes,
-            batch=batch_size,
-            allreduce_all_ms=allreduce_ms,
-            plans={n: s.plan.to_json() for n, s in compiled.items()},
-            profiles={n: s.profile.to_json() for n, s in compiled.items()},
-            # the closed loop's record too (measured and predicted ms per candidate, the fitted factors and
-            # contention): what a reader needs to see why a plan was kept
-            plan_history={n: [{k: v for k, v in h.items()
-                               if isinstance(v, (str, int, float, bool, type(None))) or k == "closed_loop"}
-                              for h in json.loads(json.dumps(s.plan_history, default=float))]
-                          for n, s in compiled.items()},
-            trace_counts={n: s.trace_count for n, s in compiled.items()},
-            # the closed loop's own time for the plan that runs (consecutive steps of that plan alone, median,
-            # slowest rank): beside the rounds' time of the same plan it shows what interleaving costs
-            closed_loop_ms={n: s.closed_loop.measured[s.plan.hash()][1] for n, s in compiled.items()
-                            if s.closed_loop is not None and s.plan.hash() in s.closed_loop.measured},
-            preserver={n: s.preserver is not None for n, s in compiled.items()},
-            preserver_dismissed={n: [e.reason for e in s.preserver.dismissed] for n, s in compiled.items()
-                                 if s.preserver is not None},
-            measured_timeline=measured,
-        )
-    return result
+
+def _measured_timeline(cfg: dict[str, Any], compiled: dict[str, Any], batch: Any, rank: int) -> dict | None:
+    """With ``measured_timeline``: a measured timeline of ``deft``'s plan cycle on ``batch``; rank 0 returns the
+    share of its time the main thread waited (``_wait_share``)."""
+    import torch.distributed as dist
+
+    if not (cfg.get("measured_timeline") and "deft" in compiled):
+        return None
+    from deft_compile.debug.artifacts import measured_timeline, plan_cycle
+
+    step = compiled["deft"]
+    target = Path(cfg["measured_timeline"]) if rank == 0 else Path(cfg["measured_timeline"]).with_name(
+        f"measured_rank{rank}.json")
+    args, kwargs = batch
+    dist.barrier()
+    measured_timeline(lambda: step(*args, **kwargs), target, steps=plan_cycle(step.plan), gantt=rank == 0)
+    if step.pending:
+        step.flush()
+    return _wait_share(target) if rank == 0 else None
 
 
 def _wait_share(trace: Path) -> dict[str, float] | None:
@@ -958,7 +1001,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "loss against wall-clock time and the time each needs to reach DDP's final validation loss "
         "(docs/TIME_TO_ACCURACY.md). Uses --steps, --bandwidth, --workers, --batch, --compiler, --json, --plot "
         "(PNG name stem: <stem>_time.png, <stem>_steps.png), --timeout, --no-progress; ignores the others.")
-    tta.add_argument("--time-to-accuracy", action="store_true", help="run the time-to-accuracy benchmark instead")
+    tta.add_argument("--time-to-accuracy", action="store_true", help="run the time-to-accuracy benchmark instead (from a checkout: benchmarks/tta.py)")
     tta.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds, one launch each (default 0 1)")
     tta.add_argument("--size", choices=("tiny", "small", "medium"), default="small",
                      help="GPT-2 size: tiny 0.1 M (tests), small 6.1 M (default), medium 10 M parameters")

@@ -1,9 +1,18 @@
-"""The ``deft-compile`` command line."""
+"""The ``deft-compile`` command line: ``demo``, ``bench``, ``explain``, ``simulate``.
+
+Everything these run for users is in the package (``deft_compile.tools``). One option is not:
+``bench --time-to-accuracy`` runs the time-to-accuracy benchmark, whose harness (``benchmarks/tta.py``: a
+training loop, a corpus, plots and a docs writer, about 900 lines) is benchmark code, not library code. It runs
+from a checkout of the repository (an editable install, or ``python -m deft_compile.tools.cli`` from the
+repository's root): the command finds ``benchmarks/`` beside the package and says so where there is none, rather
+than carrying the harness in every install for one benchmark.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
@@ -44,10 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def checkout_benchmarks() -> Path | None:
+    """The ``benchmarks/`` folder of the checkout this package runs from, on ``sys.path``; None when installed
+    without one."""
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    if not (folder / "tta.py").is_file():
+        return None
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench" and getattr(args, "time_to_accuracy", False):  # a benchmark of its own
-        from deft_compile.tools.time_to_accuracy import run_cli
+        if checkout_benchmarks() is None:
+            print("deft-compile bench --time-to-accuracy runs from a checkout of the repository (its harness is "
+                  "benchmarks/tta.py); there, run python benchmarks/time_to_accuracy.py", file=sys.stderr)
+            return 2
+        from tta import run_cli
 
         return int(run_cli(args) or 0)
     return int(args.func(args) or 0)

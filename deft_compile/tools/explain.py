@@ -1,7 +1,7 @@
 """``deft-compile explain``: trace a preset model on this process, profile it, and show every policy's plan.
 
 No cluster is needed: the step is captured and its compute timed here, on one
-process (``deft_compile.planner.profiler.profile_model``), and the network is a
+process (``deft_compile.step.profiler.profile_model``), and the network is a
 *modelled* link (ring all-reduce over ``--world-size`` ranks at
 ``--bandwidth`` Gbit/s with latency ``--alpha-ms``). The real runtime measures
 its link by timing all-reduces on the process group; explain cannot, and says
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     from deft_compile.planner.bucketing import MiB
     from deft_compile.config import DeftConfig
     from deft_compile.tools.presets import get_preset
-    from deft_compile.planner.profiler import profile_model
+    from deft_compile.step.profiler import profile_model
 
     config = DeftConfig(**{k: v for k, v in (("bucket_cap_mb", args.bucket_cap_mb),
                                              ("first_bucket_mb", args.first_bucket_mb)) if v is not None})

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -253,16 +254,12 @@ def solve_deft(
         suffix_candidates: how many suffix starts to try.
         tie_tolerance: relative time difference treated as a tie.
     """
-    options = {"first_bucket_bytes": int(first_bucket_bytes), "bucket_cap_bytes": int(bucket_cap_bytes),
-               "max_staleness": int(max_staleness), "allow_period": bool(allow_period),
-               "max_period": int(max_period), "period_margin": float(period_margin),
-               "staleness_penalty_ms": float(staleness_penalty_ms),
-               "keep_synchronous": sorted({str(name) for name in keep_synchronous}),
-               "links": None if links is None else [int(l) for l in links], "units": int(units),
-               "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance)}
-    for key, given in (("staleness_prices", staleness_prices), ("update_prices", update_prices)):
-        if given:  # only when priced, so unpriced plans keep the hashes they always had
-            options[key] = {str(k): float(v) for k, v in sorted(given.items())}
+    options = _options(first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes,
+                       max_staleness=max_staleness, allow_period=allow_period, max_period=max_period,
+                       period_margin=period_margin, staleness_penalty_ms=staleness_penalty_ms,
+                       staleness_prices=staleness_prices, update_prices=update_prices,
+                       keep_synchronous=keep_synchronous, links=links, units=units,
+                       suffix_candidates=suffix_candidates, tie_tolerance=tie_tolerance)
     if max_staleness not in (0, 1):
         raise ValueError("max_staleness must be 0 or 1 (delays are at most one step)")
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
@@ -273,30 +270,12 @@ def solve_deft(
 
     link_ids = list(range(len(profile.links))) if links is None else sorted(set(links))
     n = len(buckets)
-    slices = [item.slices for item in synchronous]
-    # -- items: bucket shares per link ------------------------------------------------
-    share_items: list[tuple[int, int, tuple]] = []  # (bucket, link, slices)
-    share_loads = np.zeros((n, len(profile.links)))
-    costs = np.zeros(n)
-    bucket_bytes = np.zeros(n, dtype=np.int64)
-    for b, bucket in enumerate(buckets):
-        numel = sum(profile.params[p].numel for p in bucket)
-        element_bytes = profile.params[bucket[0]].element_bytes
-        shares = link_shares(numel, element_bytes, profile.links, link_ids)
-        pieces = split_slices(slices[b], [c for _, c in shares])
-        for (link, count), piece in zip(shares, pieces):
-            share_items.append((b, link, piece))
-            share_loads[b, link] = profile.links[link].cost(count * element_bytes)
-        costs[b] = share_loads[b].max()
-        bucket_bytes[b] = numel * element_bytes
+    share_items, share_loads, costs, bucket_bytes = _bucket_shares(profile, buckets, synchronous, link_ids)
     pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern)
                            for p in bucket for pattern in options["keep_synchronous"])
                        for bucket in buckets], dtype=bool)
-    def bucket_prices(key: str) -> np.ndarray:
-        prices = options.get(key, {})
-        return np.array([sum(prices.get(profile.params[p].name, 0.0) for p in bucket) for bucket in buckets])
-
-    price, update_price = bucket_prices("staleness_prices"), bucket_prices("update_prices")
+    price, update_price = (_bucket_prices(profile, buckets, options.get(key, {}))
+                           for key in ("staleness_prices", "update_prices"))
     group = np.array([b for b, _, _ in share_items], dtype=np.int64)
     same_as_wfbp = len(share_items) == n and all(link == 0 for _, link, _ in share_items)
     if same_as_wfbp:
@@ -317,36 +296,14 @@ def solve_deft(
         too_dear = update_price + price / 2 >= costs
         configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period, pinned | too_dear))
 
-    if n <= suffix_candidates:
-        suffixes = list(range(n + 1))
-    else:
-        suffixes = sorted({int(round(x)) for x in np.linspace(0, n, suffix_candidates)})
+    suffixes = (list(range(n + 1)) if n <= suffix_candidates
+                else sorted({int(round(x)) for x in np.linspace(0, n, suffix_candidates)}))
     candidates: list[_Candidate] = []
     for period, offset in configs:
         amortised = costs / period
         values = [0.0 if pinned[i] else float(c) - staleness_penalty_ms - float(price[i]) for i, c in enumerate(amortised)]
-        f_weights, f_capacity, _ = discretise(amortised, t_f, units)
-        forward_of_suffix = suffix_knapsacks(f_weights, values, f_capacity)
-        for k in suffixes:
-            kind = np.full(n, _SYNC, dtype=np.int64)
-            forward = forward_of_suffix(k)
-            kind[forward] = _FWD
-            rest = [i for i in range(k, n) if kind[i] == _SYNC]
-            sync_load = float(amortised[:k].sum())
-            b_capacity = t_b - sync_load
-            if rest and b_capacity > 0:
-                b_weights, b_units, _ = discretise(amortised[rest], b_capacity, units)
-                _, picked = knapsack_01(b_weights, [values[i] for i in rest], b_units)
-                kind[[rest[j] for j in picked]] = _BWD_NEXT
+        for k, kind in _knapsack_kinds(amortised, values, suffixes, t_f, t_b, units):
             candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k, price, update_price))
-            # The knapsacks give a delayed bucket the forward (T_F) or the backward (T_B) as capacity, but one
-            # issued at the start of the next forward may use both: a bucket larger than either still hides.
-            # The simulator judges the candidate that delays every worthwhile bucket of the suffix that way.
-            whole = [i for i in range(k, n) if values[i] > 0]
-            if whole and any(kind[i] != _FWD for i in whole):
-                kind = np.full(n, _SYNC, dtype=np.int64)
-                kind[whole] = _FWD
-                candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k, price, update_price))
     best_cost = min(c.cost_ms for c in candidates)
     best = min((c for c in candidates if c.cost_ms <= best_cost * (1 + tie_tolerance)),
                key=lambda c: (c.delayed_bytes, c.periodic, c.cost_ms, -c.suffix))
@@ -357,12 +314,7 @@ def solve_deft(
                 "backward_knapsack": int((best.kind == _BWD_NEXT).sum()),
                 "periodic_buckets": int((best.period > 1).sum()), "kept_synchronous": int(pinned.sum()),
                 "staleness_price_ms": best.price_ms}
-    if same_as_wfbp:  # all synchronous on the WFBP layout, measured as simulate() would
-        ones, zeros = np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        wfbp_ms = evaluator.iteration_ms(np.full(n, _SYNC), zeros, ones, zeros, np.arange(n),
-                                         iterations=2, warmup=3)
-    else:
-        wfbp_ms = simulate(profile, Plan("wfbp", synchronous), record=False, check=False).iteration_ms
+    wfbp_ms = _wfbp_ms(profile, synchronous, evaluator if same_as_wfbp else None)
     items = _items(share_items, best)
     plan = finish(profile, "deft", items, options, metadata)
     if best.cost_ms >= wfbp_ms * (1 - tie_tolerance):
@@ -371,6 +323,92 @@ def solve_deft(
                       {**metadata, "fallback": reason, "knapsack_iteration_ms": plan.predicted_iteration_ms,
                        "knapsack_price_ms": best.price_ms, "staleness_price_ms": 0.0})
     return plan
+
+
+def _options(*, first_bucket_bytes, bucket_cap_bytes, max_staleness, allow_period, max_period, period_margin,
+             staleness_penalty_ms, staleness_prices, update_prices, keep_synchronous, links, units,
+             suffix_candidates, tie_tolerance) -> dict[str, Any]:
+    """The plan's options, normalised (what its hash covers)."""
+    options = {"first_bucket_bytes": int(first_bucket_bytes), "bucket_cap_bytes": int(bucket_cap_bytes),
+               "max_staleness": int(max_staleness), "allow_period": bool(allow_period),
+               "max_period": int(max_period), "period_margin": float(period_margin),
+               "staleness_penalty_ms": float(staleness_penalty_ms),
+               "keep_synchronous": sorted({str(name) for name in keep_synchronous}),
+               "links": None if links is None else [int(l) for l in links], "units": int(units),
+               "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance)}
+    for key, given in (("staleness_prices", staleness_prices), ("update_prices", update_prices)):
+        if given:  # only when priced, so unpriced plans keep the hashes they always had
+            options[key] = {str(k): float(v) for k, v in sorted(given.items())}
+    return options
+
+
+def _wfbp_ms(profile: Profile, synchronous: list[CommItem], evaluator: BucketScheduleEvaluator | None) -> float:
+    """WFBP's predicted step: on the WFBP layout (``evaluator`` given) all synchronous, measured as simulate()
+    would; else simulated."""
+    if evaluator is not None:
+        n = len(synchronous)
+        ones, zeros = np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        return evaluator.iteration_ms(np.full(n, _SYNC), zeros, ones, zeros, np.arange(n), iterations=2, warmup=3)
+    return simulate(profile, Plan("wfbp", synchronous), record=False, check=False).iteration_ms
+
+
+def _bucket_prices(profile: Profile, buckets: list[list[int]], prices: dict[str, float]) -> np.ndarray:
+    """Each bucket's price: the sum of its parameters' (by name; 0 where unpriced)."""
+    return np.array([sum(prices.get(profile.params[p].name, 0.0) for p in bucket) for bucket in buckets])
+
+
+def _bucket_shares(profile: Profile, buckets: list[list[int]], synchronous: list[CommItem],
+                   link_ids: list[int]) -> tuple[list[tuple[int, int, tuple]], np.ndarray, np.ndarray, np.ndarray]:
+    """Each bucket's shares over the links DeFT may use: (the items as (bucket, link, slices), each bucket's load
+    per link, each bucket's cost (its slowest share), each bucket's bytes)."""
+    n = len(buckets)
+    slices = [item.slices for item in synchronous]
+    share_items: list[tuple[int, int, tuple]] = []  # (bucket, link, slices)
+    share_loads = np.zeros((n, len(profile.links)))
+    costs = np.zeros(n)
+    bucket_bytes = np.zeros(n, dtype=np.int64)
+    for b, bucket in enumerate(buckets):
+        numel = sum(profile.params[p].numel for p in bucket)
+        element_bytes = profile.params[bucket[0]].element_bytes
+        shares = link_shares(numel, element_bytes, profile.links, link_ids)
+        pieces = split_slices(slices[b], [c for _, c in shares])
+        for (link, count), piece in zip(shares, pieces):
+            share_items.append((b, link, piece))
+            share_loads[b, link] = profile.links[link].cost(count * element_bytes)
+        costs[b] = share_loads[b].max()
+        bucket_bytes[b] = numel * element_bytes
+    return share_items, share_loads, costs, bucket_bytes
+
+
+def _knapsack_kinds(amortised: np.ndarray, values: list[float], suffixes: list[int], t_f: float, t_b: float,
+                    units: int):
+    """(suffix start, each bucket's kind) of every candidate for one period configuration: per suffix start k,
+    the forward knapsack over the suffix (capacity T_F), the backward knapsack over what it left (capacity T_B
+    less the synchronous prefix's load), and the candidate that delays every worthwhile bucket of the suffix to
+    the next forward."""
+    n = len(amortised)
+    f_weights, f_capacity, _ = discretise(amortised, t_f, units)
+    forward_of_suffix = suffix_knapsacks(f_weights, values, f_capacity)
+    for k in suffixes:
+        kind = np.full(n, _SYNC, dtype=np.int64)
+        forward = forward_of_suffix(k)
+        kind[forward] = _FWD
+        rest = [i for i in range(k, n) if kind[i] == _SYNC]
+        sync_load = float(amortised[:k].sum())
+        b_capacity = t_b - sync_load
+        if rest and b_capacity > 0:
+            b_weights, b_units, _ = discretise(amortised[rest], b_capacity, units)
+            _, picked = knapsack_01(b_weights, [values[i] for i in rest], b_units)
+            kind[[rest[j] for j in picked]] = _BWD_NEXT
+        yield k, kind
+        # The knapsacks give a delayed bucket the forward (T_F) or the backward (T_B) as capacity, but one
+        # issued at the start of the next forward may use both: a bucket larger than either still hides.
+        # The simulator judges the candidate that delays every worthwhile bucket of the suffix that way.
+        whole = [i for i in range(k, n) if values[i] > 0]
+        if whole and any(kind[i] != _FWD for i in whole):
+            kind = np.full(n, _SYNC, dtype=np.int64)
+            kind[whole] = _FWD
+            yield k, kind
 
 
 def _score(evaluator: BucketScheduleEvaluator, kind: np.ndarray, period: np.ndarray,

@@ -2,7 +2,7 @@
 
 The number a user buys is not the step time but the time to reach a loss. This module trains a causal
 transformer LM (``transformers`` GPT-2 from a config, random weights, byte-level vocabulary 256) on this
-Python's standard-library sources (``deft_compile.tools.corpus``: offline, the same on every machine with the
+Python's standard-library sources (``examples/corpus.py``: offline, the same on every machine with the
 same Python) with 2 gloo workers, once per variant:
 
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (eager);
@@ -38,8 +38,9 @@ passes), the evaluation flushes and the chunk-boundary waits. Excess = the call'
 variant's plain steps. See ``overheads``.
 
 ``run_benchmark`` drives it (calibrating the shaped rate so that DDP's coverage rate is about 1, through
-``deft_compile.tools.bench.run_config``); ``benchmarks/time_to_accuracy.py`` and
-``deft-compile bench --time-to-accuracy`` call it.
+``deft_compile.tools.bench.run_config``); ``benchmarks/time_to_accuracy.py`` and, from a checkout,
+``deft-compile bench --time-to-accuracy`` call it. Imported as ``tta`` with ``benchmarks/`` on ``sys.path``
+(the script's own folder; the tests' ``conftest.py`` appends it), so that workers find it by that name.
 """
 
 from __future__ import annotations
@@ -283,7 +284,10 @@ class TextBatches:
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
-    from deft_compile.tools.corpus import load_stdlib_corpus
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.append(examples)
+    from corpus import load_stdlib_corpus
 
     return load_stdlib_corpus(max_bytes)
 

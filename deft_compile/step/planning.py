@@ -1,0 +1,289 @@
+"""The compiled step's planning owner: profile, plan, plan history, plan switches, the closed loop and the
+Preserver's hookup.
+
+- First call (``plan_first``): the step is captured (the capture stays cached for the call's compile),
+  profiled (measured with ``step.profiler`` where the policy's plan needs times or ``always_profile``; sizes
+  only otherwise; a profile given is kept), solved (``planner.solvers``), the plan's hash compared across ranks,
+  and the plan translated to items on the captured parameters (``step.scheduling``). Local training with
+  gradient accumulation gets DDP's buckets on a local group, whose collectives the pipeline removes.
+- ``switch_plan`` (the Preserver's and the closed loop's decisions, or a user's): the step flushes pending
+  gradients first, every rank checks the new plan's hash, the runner runs the new items from the next call.
+- After each call: the Preserver's monitor and then the closed loop see the call (``after_step``); both act
+  only through ``switch_plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from deft_compile.config import DeftConfig
+from deft_compile.debug.artifacts import log_structured, record_plan, write_plan_artifacts
+from deft_compile.errors import DeftError
+from deft_compile.passes.local_collectives import LOCAL_GROUP
+from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
+from deft_compile.planner.plan import LinkCost, Plan, Profile
+from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL
+from deft_compile.planner.solvers import solve, solve_wfbp
+from deft_compile.preserver import Preserver
+from deft_compile.preserver.monitor import PreserverMonitor, WatchedStep
+from deft_compile.preserver.pricing import compute_ms, prior_update_prices
+from deft_compile.step.capture import CapturedStep, split_user_inputs
+from deft_compile.step.closed_loop import ClosedLoop
+from deft_compile.step.distributed import check_same_across_ranks
+from deft_compile.step.groups import StepGroups
+from deft_compile.step.loss_scaling import LossScaler
+from deft_compile.step.pipeline import CommGroup, annotate_capture
+from deft_compile.step.policy_runtime import PolicyRuntime
+from deft_compile.step.runner import StepRunner
+from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile, with_accumulation
+from deft_compile.step.step_timer import StepTiming
+
+log = logging.getLogger("deft_compile")
+
+
+class StepPlanning:
+    """Owns what the step runs: its profile and plan, their history, and the controllers that change them.
+
+    ``step``: the user's step object, which the Preserver's monitor watches and whose ``flush`` runs before a
+    switch (the policy's flush hook included)."""
+
+    def __init__(self, policy: str, policy_runtime: PolicyRuntime, config: DeftConfig, groups: StepGroups,
+                 runner: StepRunner, loss_scaler: LossScaler | None, dump_dir: Path | None,
+                 profile: Profile | None, step: WatchedStep) -> None:
+        self.policy = policy
+        self.policy_runtime = policy_runtime
+        self.config = config
+        self.groups = groups
+        self.runner = runner
+        self.loss_scaler = loss_scaler
+        self.dump_dir = dump_dir
+        self.profile: Profile | None = profile
+        self.plan: Plan | None = None
+        self.plan_history: list[dict[str, Any]] = []
+        # calls of ``switch_plan``: a switch to the plan that already runs changes no hash, and the closed loop must
+        # still see that someone decided (the Preserver stepping back to the synchronous plan a duel is timing)
+        self.plan_switches = 0
+        self.seconds = 0.0  # profiling and solving the first plan
+        self.monitor: PreserverMonitor | None = None
+        self._step = step
+        self._profile_given = profile is not None  # the user's plan: no closed loop, no synchronous start
+        self._index: ProfileIndex | None = None
+        self._link_groups: list[CommGroup] = []
+        self._preserver_state: dict[str, Any] | None = None  # loaded by load_state_dict, for the Preserver
+        # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
+        # communicates), so it stays off there (docs/API.md).
+        closed_loop = config.closed_loop.active_for(policy, self._profile_given) and config.accumulation_steps == 1
+        self.closed_loop = ClosedLoop(config.closed_loop) if closed_loop else None
+
+    # -- what the closed loop reads (step.closed_loop.PlannedStep) ----------------------------------
+    @property
+    def step_count(self) -> int:
+        return self.runner.step_count
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self.groups.process_group
+
+    @property
+    def control_group(self) -> dist.ProcessGroup | None:
+        return self.groups.control_group
+
+    @property
+    def preserver(self) -> Preserver | None:
+        return self.monitor.preserver if self.monitor is not None else None
+
+    def watched_by_preserver(self) -> bool:
+        return self.policy_runtime.watched_by_preserver and self.config.preserver.enabled
+
+    def has_controllers(self) -> bool:
+        """Whether controllers agree across ranks after steps (on the step's side group)."""
+        return self.closed_loop is not None or self.watched_by_preserver()
+
+    # -- the first plan ----------------------------------------------------------------------------
+    def plan_first(self, args: tuple, kwargs: dict) -> None:
+        """Profile (unless given or not needed), solve, check the plan hash across ranks, translate to items.
+        The capture stays cached: the call that plans compiles from it right after."""
+        started = time.perf_counter()
+        captured = self.runner.captured(args, kwargs)
+        annotation = annotate_capture(captured)
+        index = ProfileIndex.of(annotation)
+        if self.groups.comm_group is None:
+            self._plan_local(captured, index)
+            return
+        if self.plan is None:
+            if self.profile is None:
+                self.profile = self._profile(captured, annotation, index, args, kwargs)
+            if len(self.profile.links) != len(self.groups.links):
+                raise DeftError(
+                    f"the profile describes {len(self.profile.links)} link(s) but this step has "
+                    f"{len(self.groups.links)} (the process group plus DeftConfig.links={list(self.config.links)})"
+                )
+            if self.watched_by_preserver() and self.monitor is None:
+                # the Preserver's prior prices (the updates a period skips) shape the first plan already
+                self.monitor = PreserverMonitor(self._step, self._new_preserver())
+            options = self.monitor.preserver.options if self.monitor is not None else self.solver_options()
+            self.plan = solve(self.profile, self.policy, **options)
+            log.info("plan (%s):\n%s", self.policy, self.plan.table(self.profile))
+        record_plan(self.profile, self.plan, self.dump_dir if self.groups.comm_group.rank == 0 else None)
+        if self.config.check_consistency:
+            check_same_across_ranks({"plan": self.plan.hash()}, self.groups.process_group)
+        self._index = index
+        self._link_groups = self.groups.link_groups()
+        self.runner.use_items(self._scheduled(self.plan, index))
+        if not self.plan_history:
+            self._record_plan("initial plan")
+        if self.watched_by_preserver() and self.monitor is None:
+            self.monitor = PreserverMonitor(self._step, self._new_preserver())
+        if self._preserver_state is not None and self.monitor is not None:
+            self.monitor.load_state_dict(self._preserver_state)  # resumed: continue its decisions
+            self._preserver_state = None
+        self.seconds += time.perf_counter() - started
+
+    def _profile(self, captured: CapturedStep, annotation, index: ProfileIndex, args: tuple,
+                 kwargs: dict) -> Profile:
+        """Sizes only where the policy's plan needs no times (and ``always_profile`` is off); measured otherwise."""
+        if not self.policy_runtime.needs_profile and not self.config.always_profile:
+            links = [LinkCost(name, 0.0, 0.0) for name, _ in self.groups.links]
+            return static_profile(captured, index, links, self.groups.world_size)
+        from deft_compile.step.profiler import profile_step
+
+        user_tensors, _, _ = split_user_inputs(args, kwargs)
+        inputs = self.runner.graph_inputs(captured.graph_module.meta["deft_layout"], captured, user_tensors)
+        profile = profile_step(captured, annotation, inputs, self.groups.links, self.groups.world_size,
+                               contention=self.config.contention)
+        log.info("profiled the step:\n%s", profile.to_json())
+        return profile
+
+    def _plan_local(self, captured: CapturedStep, index: ProfileIndex) -> None:
+        """Without a process group only gradient accumulation needs items: DDP's buckets on ``LOCAL_GROUP``,
+        whose collectives the pipeline removes."""
+        local = static_profile(captured, index, [LinkCost("local", 0.0, 0.0)], 1)
+        options = {"first_bucket_bytes": self.config.first_bucket_bytes, "bucket_cap_bytes": self.config.bucket_cap_bytes}
+        plan = solve_wfbp(local, **options)  # DDP's buckets: no communication to schedule
+        self.runner.use_items(self._scheduled(plan, index, [CommGroup(name=LOCAL_GROUP, rank=0, world_size=1)], local))
+
+    def _scheduled(self, plan: Plan, index: ProfileIndex, groups: list[CommGroup] | None = None,
+                   profile: Profile | None = None) -> list[ScheduledItem]:
+        """The plan's items on captured parameters and process groups, with gradient accumulation's period."""
+        profile = profile or self.profile
+        items = scheduled_items(plan, index, groups or self._link_groups,
+                                profile.params[0].element_bytes if profile else 4)
+        items = with_accumulation(items, self.config.accumulation_steps)
+        if self.config.delayed_update == "local":
+            items = [dataclasses.replace(item, local_first=True) if item.apply == APPLY_NEXT_UPDATE and item.period == 1
+                     else item for item in items]
+        return items
+
+    def _new_preserver(self) -> Preserver:
+        options = self.solver_options()
+        buckets = self.profile.buckets(options["first_bucket_bytes"], options["bucket_cap_bytes"])
+        link = self.profile.links[0]
+        costs = [link.cost(sum(self.profile.params[i].nbytes for i in bucket)) for bucket in buckets]
+        prior: dict[str, float] = {}
+        if self.config.preserver.trade:
+            numels = {param.name: param.numel for param in self.profile.params}
+            prior = prior_update_prices(numels, compute_ms(self.profile), self.config.preserver.staleness_price)
+        return Preserver(
+            self.config.preserver,
+            base_options=options,
+            max_period=int(options.get("max_period", 4)),
+            mean_comm_ms=sum(costs) / len(costs) if costs else 0.0,
+            prior_update_prices=prior,
+            start_synchronous=(self.config.preserver.start_synchronous if self.config.preserver.start_synchronous
+                               is not None else not self._profile_given),
+        )
+
+    # -- solving and switching ----------------------------------------------------------------------
+    def solver_options(self) -> dict[str, Any]:
+        """The solver options of this step's own plan: the user's ``plan_options`` with what the configuration
+        implies (DDP bucket sizes, updates that wait for every gradient under clipping or loss scaling)."""
+        options: dict[str, Any] = dict(self.config.plan_options)
+        if self.config.max_grad_norm is not None or self.loss_scaler is not None:
+            options.setdefault(UPDATE_WAITS_FOR_ALL, True)  # the gradient_guards pass makes updates wait for all
+        if self.policy_runtime.uses_buckets:
+            options.setdefault("first_bucket_bytes", self.config.first_bucket_bytes)
+            options.setdefault("bucket_cap_bytes", self.config.bucket_cap_bytes)
+        for key, value in self.policy_runtime.solver_defaults(self.config).items():
+            options.setdefault(key, value)
+        return options
+
+    def solve(self, options: dict[str, Any]) -> Plan:
+        """The plan this step's policy gives for its profile with solver ``options`` (nothing changes)."""
+        if self.closed_loop is not None:
+            options = self.closed_loop.adjust_options(options)
+        return solve(self.profile, self.policy, **options)
+
+    def switch_plan(self, options: dict[str, Any], reason: str, plan: Plan | None = None, record: bool = True) -> None:
+        """See ``CompiledStep.switch_plan``."""
+        self._step.flush()
+        self.plan = plan if plan is not None else self.solve(options)
+        self.plan_switches += 1
+        if self.config.check_consistency:
+            check_same_across_ranks({"plan": self.plan.hash()}, self.groups.process_group)
+        self.runner.use_items(self._scheduled(self.plan, self._index), reset=True)
+        step_count = self.runner.step_count
+        if not record:
+            log.debug("step %d: plan %s (%s)", step_count, self.plan.hash()[:12], reason)
+            return
+        self._record_plan(reason)
+        log.info("step %d: new plan (%s):\n%s", step_count, reason, self.plan.table(self.profile))
+        log_structured("plan_change", {"step": step_count, "reason": reason, "plan": self.plan.to_dict()})
+        if self.dump_dir is not None and (self.groups.comm_group is None or self.groups.comm_group.rank == 0):
+            write_plan_artifacts(self.dump_dir / f"plan_step{step_count}", self.profile, self.plan)
+
+    def _record_plan(self, reason: str) -> None:
+        self.plan_history.append(
+            {
+                "step": self.runner.step_count,
+                "plan_hash": self.plan.hash(),
+                "reason": reason,
+                "delayed_items": sum(1 for item in self.plan.items if item.delay),
+                "max_period": max((item.period for item in self.plan.items), default=1),
+            }
+        )
+
+    # -- around each call ----------------------------------------------------------------------------
+    def before_step(self) -> None:
+        if self.monitor is not None:
+            self.monitor.before_step()
+
+    def after_step(self, outputs: Any, args: tuple, kwargs: dict, timing: StepTiming) -> None:
+        """The Preserver sees the call (its time only if it ran no graph cold), then the closed loop
+        (``step.closed_loop``: measured plans, refined profile)."""
+        if self.monitor is not None:
+            self.monitor.after_step(outputs, args, kwargs, timing.seconds if timing.measurable else None)
+        if self.closed_loop is not None:
+            self.closed_loop.after_step(self, timing.elapsed, measurable=timing.measurable,
+                                        cpu_seconds=timing.cpu_seconds, run_queue_seconds=timing.run_queue_seconds)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_json() if self.plan is not None else None,
+            "profile": self.profile.to_json() if self.profile is not None else None,
+            "preserver": self.monitor.state_dict() if self.monitor is not None else None,
+        }
+
+    def load_plan(self, state: dict[str, Any]) -> None:
+        """The saved profile and plan (used as they are: no re-profiling); the items follow on the next call."""
+        if state["profile"] is not None:
+            self.profile = Profile.from_json(state["profile"])
+        if state["plan"] is not None:
+            plan = Plan.from_json(state["plan"])
+            if self.plan is not None and plan.hash() != self.plan.hash():
+                raise DeftError("the saved plan differs from the one this step already uses")
+            self.plan = plan
+            self.runner.use_items([])
+
+    def load_preserver(self, state: dict[str, Any] | None) -> None:
+        """The Preserver's saved state: applied now if it watches already, else when it is created."""
+        self._preserver_state = state
+        if self._preserver_state is not None and self.monitor is not None:
+            self.monitor.load_state_dict(self._preserver_state)
+            self._preserver_state = None

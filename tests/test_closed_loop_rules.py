@@ -1,0 +1,169 @@
+"""The closed loop's rules (``deft_compile.planner.closed_loop``) and its refinement (``planner.refine``) as pure
+functions: measured plans in, decisions out. No process, no torch."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from types import SimpleNamespace
+
+from deft_compile.planner.closed_loop import (
+    SYNCHRONOUS_DUEL,
+    ClosedLoopConfig,
+    Duel,
+    MeasureAlone,
+    Settle,
+    StartDuel,
+    adjust_options,
+    after_replan,
+    choose_synchronous,
+    decide,
+    duel_block_steps,
+    duel_verdict,
+    fastest_synchronous,
+    is_synchronous,
+    priority_schedule_for,
+    trial_queue,
+)
+from deft_compile.planner.refine import refine_profile, thread_ms_of
+from deft_compile.planner.solvers import solve
+from deft_compile.planner.zoo_profiles import build_profile
+
+CONFIG = ClosedLoopConfig()
+
+
+class FakePlan:
+    def __init__(self, name: str, policy: str = "deft", delay: int = 0, period: int = 1, options=None) -> None:
+        self.name, self.policy, self.options = name, policy, dict(options or {})
+        self.items = [SimpleNamespace(delay=delay, period=period, link=0)]
+        self.predicted_iteration_ms = 0.0
+
+    def hash(self) -> str:
+        return self.name
+
+
+def measured(*entries: tuple[FakePlan, float]) -> dict:
+    return {plan.hash(): (plan, ms) for plan, ms in entries}
+
+
+BUCKETS, PRIORITY = FakePlan("buckets", "wfbp"), FakePlan("priority", "bytescheduler")
+STALE = FakePlan("stale", delay=1)
+
+
+def test_synchronous_means_ddps_numbers_whatever_the_schedule():
+    assert is_synchronous(BUCKETS) and is_synchronous(PRIORITY)
+    assert not is_synchronous(STALE) and not is_synchronous(FakePlan("periodic", period=2))
+
+
+def test_the_synchronous_plan_is_chosen_by_margin_or_by_duel():
+    # not min_gain faster: DDP's buckets
+    assert choose_synchronous(measured((BUCKETS, 100.0), (PRIORITY, 99.5)), is_synchronous, CONFIG) == "buckets"
+    # duel_margin or more faster: the priority plan at once
+    assert choose_synchronous(measured((BUCKETS, 100.0), (PRIORITY, 70.0)), is_synchronous, CONFIG) == "priority"
+    # in between: a duel of synchronous plans
+    choice = choose_synchronous(measured((BUCKETS, 100.0), (PRIORITY, 90.0)), is_synchronous, CONFIG)
+    assert choice == StartDuel(PRIORITY, BUCKETS, SYNCHRONOUS_DUEL)
+    assert choose_synchronous(measured((BUCKETS, 100.0)), is_synchronous, CONFIG) is None  # one kind measured
+
+
+def test_a_plan_with_delays_duels_when_close_and_settles_when_clearly_apart():
+    close = measured((BUCKETS, 100.0), (STALE, 95.0))
+    assert decide(close, is_synchronous, None, CONFIG) == StartDuel(STALE, BUCKETS, "settle")
+    far = measured((BUCKETS, 100.0), (STALE, 140.0))
+    assert decide(far, is_synchronous, None, CONFIG) == Settle(BUCKETS, 100.0, "fastest measured plan")
+    no_duel = ClosedLoopConfig(duel_rounds=0)
+    assert decide(close, is_synchronous, None, no_duel) == Settle(STALE, 95.0, "fastest measured plan")
+    only_sync = measured((BUCKETS, 100.0), (PRIORITY, 90.0))
+    assert decide(only_sync, is_synchronous, "buckets", CONFIG) == Settle(BUCKETS, 100.0, "fastest measured plan")
+    assert fastest_synchronous(only_sync, is_synchronous, None) == (PRIORITY, 90.0)
+
+
+def test_a_replan_after_settling_is_decided_from_what_was_measured():
+    record = measured((BUCKETS, 100.0), (PRIORITY, 90.0))
+    # unmeasured plan with delays: a duel (or a measurement alone without duels)
+    assert after_replan(STALE, record, is_synchronous, "priority", CONFIG) == StartDuel(STALE, PRIORITY, "re-plan")
+    assert after_replan(STALE, record, is_synchronous, "priority", ClosedLoopConfig(duel_rounds=0)) == MeasureAlone()
+    # measured, not faster than the synchronous plan: back to it
+    slow = {**record, **measured((STALE, 95.0))}
+    decision = after_replan(STALE, slow, is_synchronous, "priority", CONFIG)
+    assert isinstance(decision, Settle) and decision.plan is PRIORITY and "back to synchronous" in decision.why
+    assert after_replan(STALE, {**record, **measured((STALE, 80.0))}, is_synchronous, "priority", CONFIG) is None
+    # a synchronous re-plan runs as the fastest measured synchronous plan (same numbers)
+    decision = after_replan(BUCKETS, record, is_synchronous, "priority", CONFIG)
+    assert isinstance(decision, Settle) and decision.plan is PRIORITY
+    assert decision.extra["replaced"]["plan_hash"] == "buckets"
+    assert after_replan(STALE, measured((STALE, 80.0)), is_synchronous, None, CONFIG) is None  # nothing synchronous
+
+
+def test_the_duels_verdict_is_the_median_ratio_against_min_gain():
+    duel = Duel.between(STALE, BUCKETS, 2, "settle", block_steps=3)
+    duel.medians = [90.0, 100.0, 100.0, 91.0]  # order 0 1 1 0: ratios 0.9 and 0.91
+    won, verdict, record = duel_verdict(duel, CONFIG)
+    assert won and "median ratio 0.905" in verdict and record["duel"]["stale_plan"] == "stale"
+    duel.medians = [100.0, 100.0, 100.0, 100.0]
+    assert not duel_verdict(duel, CONFIG)[0]  # a tie goes to the synchronous plan
+    short = measured((STALE, 4.0), (BUCKETS, 5.0))
+    assert duel_block_steps(short, STALE, BUCKETS, ClosedLoopConfig(min_window_ms=100.0, duel_steps=3)) == 25
+
+
+def test_later_replans_stay_synchronous_or_carry_the_priority_schedule():
+    assert adjust_options({"a": 1}, True, None) == {"a": 1, "max_staleness": 0, "allow_period": False}
+    assert adjust_options({}, False, "usbyte") == {"synchronous_schedule": "usbyte"}
+    assert adjust_options({"synchronous_schedule": "x"}, False, "usbyte") == {"synchronous_schedule": "x"}
+    on = ClosedLoopConfig(priority_schedule=True)
+    record = measured((BUCKETS, 100.0), (PRIORITY, 90.0))
+    assert priority_schedule_for(PRIORITY, "deft", 1, record, is_synchronous, None, on) == "bytescheduler"
+    assert priority_schedule_for(STALE, "deft", 1, record, is_synchronous, None, on) == "bytescheduler"
+    assert priority_schedule_for(PRIORITY, "deft", 2, record, is_synchronous, None, on) is None  # one link only
+    assert priority_schedule_for(PRIORITY, "usbyte", 1, record, is_synchronous, None, on) is None
+    assert priority_schedule_for(PRIORITY, "deft", 1, record, is_synchronous, None, CONFIG) is None  # opt-in
+
+
+def test_deft_trials_its_synchronous_plan_and_both_priority_plans():
+    profile = build_profile("gpt2", gpus=16)
+    plan = solve(profile, "deft")
+    assert not is_synchronous(plan), "the test needs an initial plan with delays"
+    solved = []
+
+    def solve_own(options):
+        solved.append(options)
+        return solve(profile, "deft", **options)
+
+    queue = trial_queue("deft", plan, profile, {}, is_synchronous, CONFIG, solve_own, loss_scaled=False)
+    assert [why for _, why in queue] == ["synchronous candidate", "synchronous priority candidate (bytescheduler)",
+                                         "synchronous priority candidate (usbyte)"]
+    assert solved[0]["max_staleness"] == 0 and all(is_synchronous(p) for p, _ in queue)
+    assert len(trial_queue("deft", plan, profile, {}, is_synchronous, CONFIG, solve_own, loss_scaled=True)) == 1
+    wfbp = solve(profile, "wfbp")
+    assert trial_queue("wfbp", wfbp, profile, {}, is_synchronous, CONFIG, solve_own, loss_scaled=False) == []
+
+
+def test_refining_from_the_threads_clocks_reproduces_the_measured_plans():
+    """Measurements made by the simulator itself at known factors (compute 1.3x, contention 0.4): the refinement
+    from the thread's clocks finds the compute (within the run-queue share it reads at the profile's overlaps)
+    and a profile on which the plans' simulated times are the measured ones; the fit from the times alone is
+    bounded below by the thread's CPU time."""
+    from deft_compile.planner.refine import contention_parts, scaled_profile
+    from deft_compile.planner.simulator import simulate
+
+    profile = build_profile("resnet101", gpus=16)
+    truth = scaled_profile(profile, 1.3, 1.0, 0.4)
+    plans = [solve(profile, policy) for policy in ("wfbp", "bytescheduler", "usbyte")]
+    record = {p.hash(): (p, simulate(truth, p, record=False, check=False).iteration_ms) for p in plans}
+    cpu = {p.hash(): simulate(truth, p, record=False, check=False).compute_ms for p in plans}
+    queue = {p.hash(): 0.4 * contention_parts(truth, p)[1] for p in plans}
+    assert thread_ms_of(record, cpu, {}) == [None, None, None]
+    result = refine_profile(profile, record, cpu, queue, measure_contention=True, fit_contention=False)
+    assert 1.3 <= result.refinement.compute < 1.3 * 1.1 and result.refinement.run_queue_share is not None
+    assert result.refinement.error < 0.01 and result.profile.contention == result.refinement.contention
+    fitted = refine_profile(profile, record, cpu, queue, measure_contention=False, fit_contention=True)
+    assert fitted.refinement.run_queue_share is None and fitted.fitted_contention
+    assert fitted.min_compute > 1.0  # the step thread's CPU time bounds the fitted compute
+
+
+def test_the_rules_are_pure():
+    for name in ("closed_loop.py", "refine.py", "link_fit.py"):
+        tree = ast.parse((pathlib.Path(__file__).resolve().parents[1] / "deft_compile" / "planner" / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(m == "torch" or m.startswith(("torch.", "deft_compile.step")) for m in imported), name
