@@ -454,10 +454,12 @@ class PreserverMonitor:
 
     def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
         """Switch to the event's plan. A ladder level whose plan is the same as the current one is skipped
-        (``step_down``); a pinning that leaves the plan as it is changes nothing."""
+        (``step_down``), and the level that switches names the event's cause with it; a pinning that leaves the
+        plan as it is changes nothing."""
         current = _schedule(self.step.plan)
         while step_down and _schedule(self.step.solve(self.preserver.options)) == current and not self.preserver.exhausted:
-            self.preserver._step_down(event.step, "the plan did not change at that level", event.metrics)
+            self.preserver._step_down(event.step, f"{event.reason}; the plan did not change at that level",
+                                      event.metrics)
         if _schedule(self.step.solve(self.preserver.options)) != current:
             self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)
 
