@@ -107,18 +107,14 @@ def summarise(value: dict[str, Any]) -> dict[str, Any]:
 
 def lowering_worker(rank: int, world_size: int, model: str, rounds: int, block: int) -> dict[str, Any]:
     """Regional against whole-graph lowering, the same synchronous plan (wfbp), interleaved blocks."""
-    import copy
-
     import torch.distributed as dist
 
     from deft_compile import DeftConfig, deft_compile
 
-    net, optimizer, loss_fn, batches = build(model, rank, 8)
     steps = {}
     for compiler in ("inductor", "inductor-graph"):
-        copy_net = copy.deepcopy(net)
-        opt = type(optimizer)(copy_net.parameters(), **{k: v for k, v in optimizer.defaults.items()})
-        steps[compiler] = deft_compile(copy_net, opt, loss_fn, policy="wfbp", config=DeftConfig(compiler=compiler))
+        net, optimizer, loss_fn, batches = build(model, rank, 8)  # the same weights and batches for both
+        steps[compiler] = deft_compile(net, optimizer, loss_fn, policy="wfbp", config=DeftConfig(compiler=compiler))
         for i in range(4):  # the whole graph compiles on its second call
             steps[compiler](*batches[i])
     samples: dict[str, list[float]] = {c: [] for c in steps}
@@ -174,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"re-plans (steps) {r['replan_steps']}", flush=True)
                     (out / "first_steps.json").write_text(json.dumps(report | {"partial": {model: runs}}, indent=1))
         report["models"][model] = {"runs": runs}
-        for mode in ("cold", "warm"):
+        for mode in ("cold", "warm") if runs else ():
             rows = [r["rank0"] for r in runs if r["mode"] == mode]
             report["models"][model][mode] = {
                 key: statistics.median(row[key] for row in rows)

@@ -23,7 +23,7 @@ from deft_compile.planner.plan import Profile
 from deft_compile.planner.simulator import simulate
 from deft_compile.planner.solvers import solve
 from deft_compile.planner.stability import predicted_ms
-from deft_compile.planner.refine import (PRIOR_WEIGHT, contention_parts, refine_from_threads, refine_scales,
+from deft_compile.planner.refine import (PRIOR_WEIGHT, refine_from_threads, refine_scales, scaled_parts,
                                          scaled_profile)
 
 
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"recorded compute {recorded[0]:.2f} link {recorded[1]:.2f} "
                   f"contention {recorded[2]:.2f}")
 
-            def parts(plan, a: float, b: float, base=base):
-                return contention_parts(scaled_profile(base, a, b), plan)
+            parts = scaled_parts(base)
 
             floor = next((entry["closed_loop"].get("min_compute") for entry in run["plan_history"].get("deft", [])
                           if isinstance(entry.get("closed_loop"), dict) and entry["closed_loop"].get("min_compute")),
@@ -85,8 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                               if isinstance(entry.get("closed_loop"), dict) and entry["closed_loop"].get("candidates"))
             threads = [(c["compute_cpu_ms"], c["run_queue_ms"]) if "run_queue_ms" in c else None
                        for c in (candidates[plan.hash()[:12]] for plan, _ in measured)]
-            fitted = refine_from_threads(measured, lambda plan, a, b, l, base=base: contention_parts(
-                scaled_profile(base, a, b, latency=l), plan), lambda plan, base=base: simulate(
+            fitted = refine_from_threads(measured, parts, lambda plan, base=base: simulate(
                     base, plan, record=False, check=False).compute_ms, threads)
             if fitted is None:
                 continue

@@ -11,7 +11,7 @@ from deft_compile.planner.zoo_profiles import build_profile
 from deft_compile.planner.solvers import solve
 from deft_compile.planner.closed_loop import ClosedLoopConfig, Duel, rounds_disagree, window_steps
 from deft_compile.planner.refine import (compute_floor, contention_parts, measured_contention, refine_from_threads,
-                                       refine_scales, scaled_profile)
+                                       refine_scales, scaled_parts, scaled_profile)
 from deft_compile.planner.stability import predicted_ms
 from deft_compile.tools.launcher import run_local_workers
 from workers import check_entry, closed_loop_recheck_run, closed_loop_run, control_group_run
@@ -101,7 +101,7 @@ def test_refinement_recovers_compute_and_link_scales():
     plans = [solve(profile, "deft"), solve(profile, "deft", max_staleness=0)]
     truth = scaled_profile(profile, 1.6, 1.4)
     measured = [(plan, predicted_ms(truth, plan)) for plan in plans]
-    parts = lambda plan, a, b: contention_parts(scaled_profile(profile, a, b), plan)  # noqa: E731
+    parts = scaled_parts(profile)
     fitted = refine_scales(measured, parts, contention=0.0)
     assert fitted.error < 0.02 and fitted.contention == 0.0
     for plan, ms in measured:
@@ -121,7 +121,7 @@ def test_refinement_recovers_the_contention_from_plans_that_overlap_differently(
     plans = [solve(profile, policy) for policy in ("deft", "wfbp", "bytescheduler", "usbyte")]
     truth = scaled_profile(profile, 1.3, 1.0, contention=0.4)
     measured = [(plan, predicted_ms(truth, plan)) for plan in plans]
-    parts = lambda plan, a, b: contention_parts(scaled_profile(profile, a, b), plan)  # noqa: E731
+    parts = scaled_parts(profile)
     # exact synthetic times: the pure least-squares fit recovers the truth
     fitted = refine_scales(measured, parts, prior_weight=0.0)
     assert fitted.error < 0.01 and math.isclose(fitted.contention, 0.4, abs_tol=0.05), fitted
@@ -148,7 +148,7 @@ def test_refinement_takes_the_least_change_among_fits_that_explain_the_plans_equ
     plans = [solve(profile, "deft", max_staleness=0), solve(profile, "bytescheduler"), solve(profile, "usbyte")]
     truth = scaled_profile(profile, 1.0, 1.0, contention=0.6)
     measured = [(plan, predicted_ms(truth, plan)) for plan in plans]
-    parts = lambda plan, a, b: contention_parts(scaled_profile(profile, a, b), plan)  # noqa: E731
+    parts = scaled_parts(profile)
     fitted = refine_scales(measured, parts)
     assert math.isclose(fitted.compute, 1.0, rel_tol=0.05) and math.isclose(fitted.link, 1.0, rel_tol=0.05), fitted
     assert math.isclose(fitted.contention, 0.6, abs_tol=0.05) and fitted.error < 0.01, fitted
@@ -307,8 +307,7 @@ def test_the_prior_mends_a_recorded_degenerate_fit():
                                                                 "gpt2-small-hf", 2)[:4]
     assert len(measured) == recorded_plans == 3 and recorded[0] < 0.2, recorded
 
-    def parts(plan, a, b):
-        return contention_parts(scaled_profile(base, a, b), plan)
+    parts = scaled_parts(base)
 
     free = refine_scales(measured, parts, 0.0, prior_weight=0.0)
     held = refine_scales(measured, parts, 0.0)
@@ -355,8 +354,7 @@ def test_the_compute_floor_mends_a_recorded_degenerate_fit():
     base, measured, recorded, _plans, run = _recorded_launch("recorded/degenerate-fit-cnn.json", "resnet50", 0)
     assert recorded[0] < 0.3, recorded
 
-    def parts(plan, a, b):
-        return contention_parts(scaled_profile(base, a, b), plan)
+    parts = scaled_parts(base)
 
     floor_share = run["rows"]["floor"]["step_ms"] / simulate(base, measured[0][0], record=False, check=False).compute_ms
     bound = compute_floor([(plan, floor_share) for plan, _ in measured], lambda plan: 1.0)
@@ -406,7 +404,7 @@ def _measured_refinement_case(model: str, link: float, latency: float):
 
     profile = build_profile(model, inter_gbps=25)
     plans = [solve(profile, "deft", max_staleness=0), solve(profile, "bytescheduler"), solve(profile, "usbyte")]
-    parts = lambda plan, a, b, l=None: contention_parts(scaled_profile(profile, a, b, latency=l), plan)  # noqa: E731
+    parts = scaled_parts(profile)
     compute = lambda plan: simulate(profile, plan, record=False, check=False).compute_ms  # noqa: E731
     return profile, plans, scaled_profile(profile, 1.0, link, latency=latency), parts, compute
 

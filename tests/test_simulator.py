@@ -372,3 +372,28 @@ def test_contention_is_saved_and_checked() -> None:
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="contention"):
             dataclasses.replace(profile, contention=bad)
+
+
+def test_scaled_simulation_equals_simulating_the_scaled_profile_to_the_bit() -> None:
+    """The closed loop's refinement simulates each measured plan at hundreds of (compute, link, latency) factors:
+    ``ScaledSimulation`` flattens the plan once and must give exactly what scaling the profile and simulating it
+    gives, for plans with delays, priorities, per-layer waits and update periods, on one link and on two."""
+    from deft_compile.planner.refine import scaled_profile
+    from deft_compile.planner.simulator import ScaledSimulation
+    from deft_compile.planner.solvers import solve
+    from deft_compile.planner.zoo_profiles import build_profile
+
+    for name, extra_link in (("gpt2", 0.0), ("resnet101", 10.0)):
+        profile = build_profile(name, inter_gbps=25, extra_link_gbps=extra_link)
+        plans = [solve(profile, policy) for policy in ("deft", "wfbp", "bytescheduler", "usbyte")]
+        assert any(item.delay for item in plans[0].items) or any(item.period > 1 for item in plans[0].items)
+        for plan in plans:
+            simulation = ScaledSimulation(profile, plan)
+            for compute, link, latency, contention in ((1.0, 1.0, None, None), (1.3, 0.7, None, 1.0),
+                                                        (0.9, 1.5, 0.6, 0.4), (2 ** 0.125, 1 / 3, 1.7, 0.0)):
+                scaled = scaled_profile(profile, compute, link, contention, latency=latency)
+                expected = simulate(scaled, plan, record=False, check=False)
+                got = simulation.run(compute, link, latency, contention)
+                for key in ("iteration_ms", "compute_ms", "floor_ms", "exposed_comm_ms", "contention_ms"):
+                    assert getattr(got, key) == getattr(expected, key), (name, plan.policy, compute, link, key)
+                assert got.link_busy_ms == expected.link_busy_ms

@@ -101,26 +101,88 @@ class _Model:
 UPDATE_WAITS_FOR_ALL = "update_waits_for_all"
 
 
-def _build_model(profile: Profile, plan: Plan) -> _Model:
+@dataclass(frozen=True)
+class _Times:
+    """A profile's times, the part of a simulator model that scales: per-parameter forward, backward and update
+    ms, the extra forward and backward ms, the compute thread's ms per message, and per link α and β."""
+
+    forward: np.ndarray
+    backward: np.ndarray
+    update: np.ndarray
+    extra_forward: float
+    extra_backward: float
+    message_cpu: float
+    alpha: np.ndarray
+    beta: np.ndarray
+
+    @classmethod
+    def of(cls, profile: Profile, compute: float = 1.0, link: float = 1.0, latency: float | None = None) -> "_Times":
+        """``profile``'s times, compute scaled by ``compute``, each link's β by ``link`` and α by ``latency``
+        (``link`` when None): the same floating-point products ``planner.refine.scaled_profile`` forms."""
+        params = profile.params
+        latency = link if latency is None else latency
+        return cls(
+            forward=np.array([p.forward_ms * compute for p in params], dtype=float),
+            backward=np.array([p.backward_ms * compute for p in params], dtype=float),
+            update=np.array([p.update_ms * compute for p in params], dtype=float),
+            extra_forward=float(profile.extra_forward_ms * compute),
+            extra_backward=float(profile.extra_backward_ms * compute),
+            message_cpu=float(profile.message_cpu_ms * compute),
+            alpha=np.array([entry.alpha_ms * latency for entry in profile.links], dtype=float),
+            beta=np.array([entry.beta_ms_per_byte * link for entry in profile.links], dtype=float),
+        )
+
+    def forward_ms(self) -> float:
+        """T_F as ``Profile.forward_ms`` sums it."""
+        return math.fsum(self.forward.tolist()) + self.extra_forward
+
+    def backward_ms(self) -> float:
+        """T_B as ``Profile.backward_ms`` sums it."""
+        return math.fsum(self.backward.tolist()) + self.extra_backward
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """What a plan fixes on a profile, whatever its times: per item its bytes, link, window, period, wait and the
+    last parameter it carries; per parameter its layer position and update mode."""
+
+    item_ids: np.ndarray
+    nbytes: np.ndarray
+    last_param: np.ndarray
+    link: np.ndarray
+    window: np.ndarray
+    period: np.ndarray
+    offset: np.ndarray
+    wait_kind: np.ndarray
+    wait_pos: np.ndarray
+    layers: np.ndarray
+    param_layer_pos: np.ndarray
+    param_mode: np.ndarray
+    param_update_pos: np.ndarray
+    param_period: np.ndarray
+    param_offset: np.ndarray
+    link_items: list[np.ndarray]
+    cycle: int
+    update_waits_for_all: bool
+
+
+def _structure(profile: Profile, plan: Plan) -> _Structure:
     params = profile.params
     n_params = len(params)
     layers = np.array(sorted({p.layer for p in params}), dtype=np.int64)
     layer_pos = {int(layer): i for i, layer in enumerate(layers)}
     param_layer_pos = np.array([layer_pos[p.layer] for p in params], dtype=np.int64)
-    param_forward = np.array([p.forward_ms for p in params], dtype=float)
-    param_backward = np.array([p.backward_ms for p in params], dtype=float)
-    ready = profile.extra_backward_ms + np.cumsum(param_backward)
 
     items = plan.items
     n_items = len(items)
-    cost = np.empty(n_items)
+    nbytes_of = np.empty(n_items)
+    last_params = np.empty(n_items, dtype=np.int64)
     link = np.empty(n_items, dtype=np.int64)
     window = np.empty(n_items, dtype=np.int64)
     period = np.empty(n_items, dtype=np.int64)
     offset = np.empty(n_items, dtype=np.int64)
     wait_kind = np.empty(n_items, dtype=np.int64)
     wait_pos = np.zeros(n_items, dtype=np.int64)
-    ready_offset = np.empty(n_items)
     param_mode = np.zeros(n_params, dtype=np.int64)
     param_update_pos = np.full(n_params, -1, dtype=np.int64)
     param_period = np.ones(n_params, dtype=np.int64)
@@ -133,12 +195,12 @@ def _build_model(profile: Profile, plan: Plan) -> _Model:
             nbytes += s.count * element_bytes[s.param]
             if s.param > last_param:
                 last_param = s.param
-        cost[i] = profile.links[item.link].cost(nbytes)
+        nbytes_of[i] = nbytes
+        last_params[i] = last_param
         link[i] = item.link
         window[i] = _WINDOW_CODE[item.window]
         period[i] = item.period
         offset[i] = item.period_offset
-        ready_offset[i] = ready[last_param]
         layer = layer_of_point(item.wait_at)
         if item.wait_at == WAIT_END_OF_BACKWARD:
             wait_kind[i] = _WAIT_END
@@ -162,11 +224,6 @@ def _build_model(profile: Profile, plan: Plan) -> _Model:
                 param_update_pos[p] = max(param_update_pos[p], _layer_position(layers, update_layer))
             else:
                 raise ValueError(f"item {item.id}: unknown update point {item.update_at!r}")
-    param_update = np.array([p.update_ms for p in params], dtype=float)
-    per_layer = param_mode == _UPD_LAYER
-    layer_update = np.bincount(param_update_pos[per_layer], weights=param_update[per_layer],
-                               minlength=len(layers)).astype(float)
-    layer_forward = np.bincount(param_layer_pos, weights=param_forward, minlength=len(layers))
     orders = np.array([item.order for item in items], dtype=np.int64)
     link_items = []
     for index in range(len(profile.links)):
@@ -177,16 +234,36 @@ def _build_model(profile: Profile, plan: Plan) -> _Model:
         cycle = math.lcm(cycle, k)
     if cycle > _MAX_CYCLE:
         raise ValueError(f"period pattern repeats every {cycle} steps; at most {_MAX_CYCLE} supported")
-    return _Model(
-        item_ids=np.array([item.id for item in items], dtype=np.int64), cost=cost, link=link,
-        window=window, period=period, offset=offset, wait_kind=wait_kind, wait_pos=wait_pos,
-        ready_offset=ready_offset, link_items=link_items, layers=layers,
-        layer_forward=layer_forward.astype(float), layer_update=layer_update,
-        param_update=param_update, param_mode=param_mode, param_period=param_period,
-        param_offset=param_offset, param_backward=param_backward,
-        extra_forward=float(profile.extra_forward_ms), extra_backward=float(profile.extra_backward_ms),
-        backward_total=float(profile.backward_ms), cycle=cycle, message_cpu=float(profile.message_cpu_ms),
+    return _Structure(
+        item_ids=np.array([item.id for item in items], dtype=np.int64), nbytes=nbytes_of, last_param=last_params,
+        link=link, window=window, period=period, offset=offset, wait_kind=wait_kind, wait_pos=wait_pos,
+        layers=layers, param_layer_pos=param_layer_pos, param_mode=param_mode, param_update_pos=param_update_pos,
+        param_period=param_period, param_offset=param_offset, link_items=link_items, cycle=cycle,
         update_waits_for_all=bool(plan.options.get(UPDATE_WAITS_FOR_ALL, False)))
+
+
+def _timed_model(structure: _Structure, times: _Times) -> _Model:
+    """The simulator's model: a plan's structure with a profile's times."""
+    st = structure
+    ready = times.extra_backward + np.cumsum(times.backward)
+    cost = times.alpha[st.link] + times.beta[st.link] * st.nbytes
+    per_layer = st.param_mode == _UPD_LAYER
+    layer_update = np.bincount(st.param_update_pos[per_layer], weights=times.update[per_layer],
+                               minlength=len(st.layers)).astype(float)
+    layer_forward = np.bincount(st.param_layer_pos, weights=times.forward, minlength=len(st.layers))
+    return _Model(
+        item_ids=st.item_ids, cost=cost, link=st.link, window=st.window, period=st.period, offset=st.offset,
+        wait_kind=st.wait_kind, wait_pos=st.wait_pos, ready_offset=ready[st.last_param], link_items=st.link_items,
+        layers=st.layers, layer_forward=layer_forward.astype(float), layer_update=layer_update,
+        param_update=times.update, param_mode=st.param_mode, param_period=st.param_period,
+        param_offset=st.param_offset, param_backward=times.backward,
+        extra_forward=times.extra_forward, extra_backward=times.extra_backward,
+        backward_total=times.backward_ms(), cycle=st.cycle, message_cpu=times.message_cpu,
+        update_waits_for_all=st.update_waits_for_all)
+
+
+def _build_model(profile: Profile, plan: Plan) -> _Model:
+    return _timed_model(_structure(profile, plan), _Times.of(profile))
 
 
 def _layer_position(layers: np.ndarray, layer: int) -> int:
@@ -379,6 +456,30 @@ def simulate(
     timeline.policy = plan.policy
     timeline.link_names = [link.name for link in profile.links]
     return timeline
+
+
+class ScaledSimulation:
+    """One plan on one profile, simulated with the compute and link times scaled (what the closed loop's
+    refinement asks hundreds of times per plan): the plan's structure is flattened once, and each call rebuilds
+    only the times. ``run(compute, link, latency, contention)`` equals ``simulate(record=False, check=False)`` of
+    ``planner.refine.scaled_profile(profile, compute, link, contention, latency)``, to the bit."""
+
+    def __init__(self, profile: Profile, plan: Plan) -> None:
+        self._profile = profile
+        self._structure = _structure(profile, plan)
+        self._policy = plan.policy
+
+    def run(self, compute: float = 1.0, link: float = 1.0, latency: float | None = None,
+            contention: float | None = None) -> Timeline:
+        times = _Times.of(self._profile, compute, link, latency)
+        model = _timed_model(self._structure, times)
+        gamma = self._profile.contention if contention is None else contention
+        timeline = _run(model, len(self._profile.links), None, None, False, gamma)
+        timeline.floor_ms = (times.forward_ms() + times.backward_ms()
+                             + math.fsum(model.param_update / model.param_period))
+        timeline.policy = self._policy
+        timeline.link_names = [entry.name for entry in self._profile.links]
+        return timeline
 
 
 def _overlap_ms(compute: list[tuple[float, float]], comm: list[tuple[np.ndarray, np.ndarray]],
