@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--block", type=int, default=5)
     parser.add_argument("--out", default="first_steps_out")
+    parser.add_argument("--cache-dir", default=None,
+                        help="one Inductor cache folder for every launch (each launch then counts as warm when an "
+                             "earlier one filled it) instead of a fresh one per cold launch")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         runs = []
         for index in range(args.launches):
-            with tempfile.TemporaryDirectory(prefix="deft-inductor-cache-") as cache:
-                for mode in ("cold", "warm"):
+            with tempfile.TemporaryDirectory(prefix="deft-inductor-cache-") as fresh:
+                cache = args.cache_dir or fresh
+                for mode in ("cold", "warm") if not args.cache_dir else ("warm",):
                     started = time.perf_counter()
                     result = launch(model, args.steps, cache)
                     result.update(mode=mode, launch=index, seconds=time.perf_counter() - started)
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"re-plans (steps) {r['replan_steps']}", flush=True)
                     (out / "first_steps.json").write_text(json.dumps(report | {"partial": {model: runs}}, indent=1))
         report["models"][model] = {"runs": runs}
-        for mode in ("cold", "warm") if runs else ():
+        for mode in sorted({r["mode"] for r in runs}):
             rows = [r["rank0"] for r in runs if r["mode"] == mode]
             report["models"][model][mode] = {
                 key: statistics.median(row[key] for row in rows)
