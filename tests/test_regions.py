@@ -175,3 +175,28 @@ def test_pending_keys_are_carried_by_the_program():
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     carried = placeholders[-len(layout.carry_inputs):]
     assert all(any(node in s.inputs for s in program.segments if not s.is_region) for node in carried)
+
+
+def test_shared_compiles_deal_out_new_regions_and_change_no_number():
+    """Rank 1 of 2 compiles every second new region (from the capture's input metadata) before the graph first
+    runs and the rest as the run reaches them; the compiled regions are the same, the run-time signatures find the
+    ones compiled ahead, and the step computes what an unshared step computes, to the bit."""
+    model, optimizer, batch = _gpt()
+    twin = copy.deepcopy(model)
+    shared = deft_compile(model, optimizer, None, config=DeftConfig(compiler="inductor"))
+    alone = deft_compile(twin, torch.optim.AdamW(twin.parameters(), lr=1e-3), None, config=DeftConfig(compiler="inductor"))
+    shared.lowering.share_compiles(1, 2)
+    for _ in range(3):
+        shared(*batch)
+        alone(*batch)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    compiled = [entry["key"] for entry in shared.lowering.history]
+    assert sorted(compiled) == sorted(entry["key"] for entry in alone.lowering.history), "the same regions, once"
+    program = shared.lowering.program(next(iter(shared.lowering._programs.keys())))
+    new = list(dict.fromkeys(s.key for s in program.segments if s.is_region))
+    ahead = new[1::2]
+    assert compiled[: len(ahead)] == ahead, "the share compiled first, in program order"
+    assert compiled[len(ahead): len(new)] == [key for key in new if key not in ahead]
+    with pytest.raises(ValueError, match="rank 2"):
+        shared.lowering.share_compiles(2, 2)

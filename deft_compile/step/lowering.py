@@ -444,6 +444,13 @@ class StepLowering:
     graphs always run as aten; every new plan is a new compile.
 
     ``"aten"``: the graph's aten ops, called from Python.
+
+    Regions compile shared across the data-parallel processes (``share_compiles``): before a graph's first run,
+    each process compiles its share of the regions no earlier graph had (every ``world``-th, from its rank) from
+    the regions' recorded input metadata, then runs the graph and compiles the rest as it reaches them. Processes
+    that share Inductor's cache folder (the ranks of one host) find the others' share there and load it instead
+    of compiling it; others compile it as without sharing. No collective is involved: a process whose peer has
+    not finished a region yet compiles it itself.
     """
 
     def __init__(self, compiler: str) -> None:
@@ -454,6 +461,8 @@ class StepLowering:
         self._programs: "weakref.WeakKeyDictionary[fx.GraphModule, Any]" = weakref.WeakKeyDictionary()
         self._templates: dict[tuple, Any] = {}  # region segments by node names, shared by the step's programs
         self.regions = None
+        self._share: tuple[int, int] | None = None  # (rank, world size) the cold compiles are split across
+        self._shared: set[str] = set()  # region structure keys already dealt out
         if compiler == "inductor":
             from deft_compile.step.regions import RegionCache
 
@@ -510,9 +519,32 @@ class StepLowering:
                 program = self._programs[gm] = RegionalProgram(gm, self._templates)
         return program
 
+    def share_compiles(self, rank: int, world_size: int) -> None:
+        """Split the regions' cold compiles across ``world_size`` processes, this one being ``rank`` (see the class
+        docstring); the step calls it for its data-parallel group."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}")
+        self._share = (rank, world_size) if world_size > 1 else None
+
+    def _compile_share(self, program: Any) -> None:
+        """Compile this process's share of ``program``'s regions that no earlier graph dealt out, from the input
+        metadata the capture recorded (a region whose inputs lack it compiles when it runs)."""
+        rank, world_size = self._share
+        new = []
+        for segment in program.segments:
+            if segment.is_region and segment.key not in self._shared:
+                self._shared.add(segment.key)
+                new.append(segment)
+        for segment in new[rank::world_size]:
+            examples = [node.meta.get("val") for node in segment.module.graph.nodes if node.op == "placeholder"]
+            if all(isinstance(value, torch.Tensor) for value in examples):
+                self.regions.get(segment, examples)
+
     def _run_regions(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str) -> Sequence[Any]:
         program = self.program(gm)
         compiled_before = len(self.history)
+        if self._share is not None:
+            self._compile_share(program)
 
         def call(segment: Any, values: list[Any]) -> Sequence[Any]:
             if not segment.is_region:

@@ -95,6 +95,8 @@ class CompiledStep:
         self._timer = StepTimer(self.lowering, cpu_timed=device.type == "cpu")
         self.groups.open(model, optimizer, policy, config, controllers=self.planning.has_controllers(),
                          picks_groups=policy_runtime.picks_groups)
+        if self.groups.comm_group is not None:  # the ranks of one host compile each region once between them
+            self.lowering.share_compiles(self.groups.comm_group.rank, self.groups.comm_group.world_size)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         runner, planning = self.runner, self.planning
