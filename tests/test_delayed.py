@@ -101,15 +101,15 @@ def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path, delayed_upd
 def test_checkpoint_resumes_bit_identically_on_the_inductor_route(tmp_path, case, options):
     """Inductor's regions run from a graph's first call, so a resumed process runs the kernels the straight run
     ran at the same step: bit-identical, with a pending delayed gradient in the checkpoint (``deft``) and without
-    (``deft-sync``), for SGD (with Dropout) and AdamW."""
+    (``deft-sync``), for SGD (with Dropout) and AdamW. The straight run saves the checkpoint after step 3 and trains
+    on (saving changes nothing it computes)."""
     path = str(tmp_path / "ckpt")
-    args = (None, "averaged", options, "inductor")
-    straight = run_local_workers(checkpoint_run, 2, (case, 0, 6, None, *args), timeout_s=400, collective_timeout_s=240)
-    first = run_local_workers(checkpoint_run, 2, (case, 0, 3, None, path, *args[1:]), timeout_s=400,
-                              collective_timeout_s=240)
-    resumed = run_local_workers(checkpoint_run, 2, (case, 3, 6, path, *args), timeout_s=400, collective_timeout_s=240)
+    straight = run_local_workers(checkpoint_run, 2, (case, 0, 6, None, path, "averaged", options, "inductor", 3),
+                                 timeout_s=400, collective_timeout_s=240)
+    resumed = run_local_workers(checkpoint_run, 2, (case, 3, 6, path, None, "averaged", options, "inductor"),
+                                timeout_s=400, collective_timeout_s=240)
     for rank in range(2):
-        assert (first[rank].value["pending_before_save"] > 0) == (options == "deft")
+        assert (straight[rank].value["pending_before_save"] > 0) == (options == "deft")
         expected, actual = straight[rank].value, resumed[rank].value
         assert expected["compiler"] == actual["compiler"] == "inductor"
         for name, tensor in expected["state"].items():

@@ -688,9 +688,11 @@ def compare_deft_with_delayed_reference(
 
 
 def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None, save: str | None,
-                   delayed_update: str = "averaged", options: str = "deft", compiler: str | None = None) -> dict:
+                   delayed_update: str = "averaged", options: str = "deft", compiler: str | None = None,
+                   save_at: int | None = None) -> dict:
     """Train steps ``[start, stop)`` with deft (``POLICY_OPTIONS[options]``: delays by default), optionally resuming
-    from / saving to a checkpoint; ``compiler`` as ``DeftConfig``'s (the suite's default when None)."""
+    from / saving to a checkpoint (at the end, or after step ``save_at`` and training on); ``compiler`` as
+    ``DeftConfig``'s (the suite's default when None)."""
     make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
     torch.manual_seed(0)
     model = make_model()
@@ -707,13 +709,19 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         step.load_state_dict(checkpoint["step"])
+    def save_checkpoint() -> int:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step.state_dict()},
+                   f"{save}.rank{rank}")
+        return len(step.pending)
+
+    pending_before_save = None
     for t in range(start, stop):
         torch.manual_seed(100 * rank + t)
         step(*batches[t])
-    pending_before_save = len(step.pending)
-    if save is not None:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step.state_dict()},
-                   f"{save}.rank{rank}")
+        if save is not None and save_at == t + 1:
+            pending_before_save = save_checkpoint()
+    if save is not None and save_at is None:
+        pending_before_save = save_checkpoint()
     state = {k: v.clone() for k, v in _named_state(model, optimizer).items()}
     pending = {k: v.clone() for k, v in step.state_dict()["pending"].items()}
     return {"state": state, "pending": pending, "step_count": step.step_count, "pending_before_save": pending_before_save,
