@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--block", type=int, default=5)
     parser.add_argument("--out", default="first_steps_out")
+    parser.add_argument("--modes", default="cold,warm", help="which launches of each pair run: cold, warm or both")
     parser.add_argument("--cache-dir", default=None,
                         help="one Inductor cache folder for every launch (each launch then counts as warm when an "
                              "earlier one filled it) instead of a fresh one per cold launch")
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.launches):
             with tempfile.TemporaryDirectory(prefix="deft-inductor-cache-") as fresh:
                 cache = args.cache_dir or fresh
-                for mode in ("cold", "warm") if not args.cache_dir else ("warm",):
+                for mode in [m for m in args.modes.split(",") if m] if not args.cache_dir else ("warm",):
                     started = time.perf_counter()
                     result = launch(model, args.steps, cache)
                     result.update(mode=mode, launch=index, seconds=time.perf_counter() - started)
