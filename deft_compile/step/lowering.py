@@ -430,6 +430,12 @@ def collective_order(source_code: str) -> list[str]:
 # -- the compiled step's use ---------------------------------------------------------------------------
 
 
+def _recorded_inputs(segment: Any) -> list[Any] | None:
+    """A region's inputs as the capture recorded them (fake tensors), or None where one lacks that metadata."""
+    examples = [node.meta.get("val") for node in segment.module.graph.nodes if node.op == "placeholder"]
+    return examples if all(isinstance(value, torch.Tensor) for value in examples) else None
+
+
 class StepLowering:
     """Runs the step graphs of one ``CompiledStep`` with the configured compiler.
 
@@ -536,8 +542,8 @@ class StepLowering:
                 self._shared.add(segment.key)
                 new.append(segment)
         for segment in new[rank::world_size]:
-            examples = [node.meta.get("val") for node in segment.module.graph.nodes if node.op == "placeholder"]
-            if all(isinstance(value, torch.Tensor) for value in examples):
+            examples = _recorded_inputs(segment)
+            if examples is not None:
                 self.regions.get(segment, examples)
 
     def _run_regions(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str) -> Sequence[Any]:
@@ -566,7 +572,13 @@ class StepLowering:
         return outputs
 
     def _compile_region(self, segment: Any, inputs: Sequence[Any]) -> Callable[..., Any]:
+        from deft_compile.step.regions import input_signature
+
         module = segment.module
+        examples = _recorded_inputs(segment)
+        if examples is not None and input_signature(examples) == input_signature(inputs):
+            # the capture's metadata, as a peer's share compiled it: the same cache key in every process
+            inputs = examples
         started = time.perf_counter()
         entry: dict[str, Any] = {"graph": "region", "region": str(segment.region), "key": segment.key,
                                  "compiler": "inductor", "nodes": len(module.graph.nodes)}
