@@ -1,4 +1,4 @@
-"""examples/train_gpt.py under a real `torchrun --standalone --nproc-per-node 2` (gloo on CPU; about 20 s)."""
+"""The examples under a real `torchrun --standalone --nproc-per-node 2` (gloo on CPU)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,4 @@ def test_train_gpt2_hf_under_torchrun_with_resume(tmp_path):
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
     assert "resumed from" in second.stdout and re.search(r"^update 5 loss", second.stdout, re.M)
     assert re.search(r"final eval loss [0-9.]+ after 6 updates", second.stdout)
+
