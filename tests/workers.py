@@ -286,11 +286,9 @@ def _compare_deferred(state: dict, before: dict, after: dict, deferred: set[str]
     return _compare(state, expected)
 
 
-def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
-                            max_grad_norm: float | None = None) -> dict:
-    """A timing-only policy must give DDP's numbers. Parameters whose update the plan defers to
-    the next step's forward are compared with DDP's previous step; after ``flush`` all with DDP's last.
-    With ``max_grad_norm`` both clip (DDP with ``clip_grad_norm_`` before ``optimizer.step()``)."""
+def _policy_beside_ddp(rank: int, world_size: int, case: str, steps: int, policy: str, **config) -> tuple:
+    """``case``'s DDP pair, its batches, and ``policy``'s step (``deft-sync``: deft's solver with no delay or period)
+    on a synthetic profile: ``(loss_fn, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer, batches, step)``."""
     make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
@@ -298,7 +296,17 @@ def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, p
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     solver_policy = "deft" if policy == "deft-sync" else policy
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=solver_policy, profile=profile,
-                        config=DeftConfig(plan_options=POLICY_OPTIONS[policy], max_grad_norm=max_grad_norm))
+                        config=DeftConfig(plan_options=POLICY_OPTIONS[policy], **config))
+    return loss_fn, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer, batches, step
+
+
+def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
+                            max_grad_norm: float | None = None) -> dict:
+    """A timing-only policy must give DDP's numbers. Parameters whose update the plan defers to
+    the next step's forward are compared with DDP's previous step; after ``flush`` all with DDP's last.
+    With ``max_grad_norm`` both clip (DDP with ``clip_grad_norm_`` before ``optimizer.step()``)."""
+    loss_fn, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer, batches, step = _policy_beside_ddp(
+        rank, world_size, case, steps, policy, max_grad_norm=max_grad_norm)
     report = []
     for t, (inputs, targets) in enumerate(batches):
         entry, deferred = _step_beside_ddp(step, rank, t, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer,
@@ -321,14 +329,8 @@ def policy_with_lr_schedule_beside_ddp(rank: int, world_size: int, case: str, st
     it at step t's learning rate, as DDP does."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
-    data = torch.Generator().manual_seed(1234 + rank)
-    batches = [make_batch(data) for _ in range(steps)]
-    scratch = copy.deepcopy(base)
-    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
-    solver_policy = "deft" if policy == "deft-sync" else policy
-    step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=solver_policy, profile=profile,
-                        config=DeftConfig(plan_options=POLICY_OPTIONS[policy]))
+    loss_fn, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer, batches, step = _policy_beside_ddp(
+        rank, world_size, case, steps, policy)
     factor = lambda t: (t + 1) / steps  # noqa: E731  a different rate at every step
     schedulers = [LambdaLR(ddp_optimizer, factor), LambdaLR(deft_optimizer, factor)]
     report = []
