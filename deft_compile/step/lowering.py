@@ -469,6 +469,7 @@ class StepLowering:
         self.regions = None
         self._share: tuple[int, int] | None = None  # (rank, world size) the cold compiles are split across
         self._shared: set[str] = set()  # region structure keys already dealt out
+        self._dealt: "weakref.WeakSet[Any]" = weakref.WeakSet()  # programs whose new regions were dealt out
         if compiler == "inductor":
             from deft_compile.step.regions import RegionCache
 
@@ -549,7 +550,8 @@ class StepLowering:
     def _run_regions(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str) -> Sequence[Any]:
         program = self.program(gm)
         compiled_before = len(self.history)
-        if self._share is not None:
+        if self._share is not None and program not in self._dealt:
+            self._dealt.add(program)
             self._compile_share(program)
 
         def call(segment: Any, values: list[Any]) -> Sequence[Any]:
