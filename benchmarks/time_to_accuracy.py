@@ -1,15 +1,17 @@
 """The time to DDP's final validation loss, DDP vs deft, on a shaped link (docs/TIME_TO_ACCURACY.md).
 
-    sudo python benchmarks/time_to_accuracy.py                        # calibrated to coverage rate ~1, seeds 0 1
+    sudo python benchmarks/time_to_accuracy.py                        # GPT-2, calibrated to coverage rate ~1, seeds 0 1
+    sudo python benchmarks/time_to_accuracy.py --workload gpt2 cnn --coverage 1 2 3 --steps 2000
     python benchmarks/time_to_accuracy.py --bandwidth none --size tiny --steps 40 --docs '' --out /tmp/tta
 
-A GPT-2 (``transformers`` config, random weights, bytes) trained on this Python's standard-library sources by 2
-gloo workers: DDP, deft (defaults: delays and update periods, Preserver on), deft without the Preserver, deft
-without update periods; same initial weights, same batches, interleaved in chunks in one process pair. Writes
-``<out>/time_to_accuracy.json`` (or ``--json``), ``<out>/time_to_accuracy_time.png`` and ``..._steps.png``,
-prints the table and rewrites the results section of ``--docs`` between ``<!-- tta:begin -->`` and
-``<!-- tta:end -->``. Everything is in ``benchmarks/tta.py``; ``deft-compile bench --time-to-accuracy``
-runs the same code from a checkout.
+Workloads: a GPT-2 (``transformers`` config, random weights, bytes) trained with AdamW on this Python's
+standard-library sources, and a BatchNorm ResNet trained with SGD momentum on teacher-labelled images
+(``tta_cnn.py``); 2 gloo workers; the variants (``--variants``) from the same initial weights on the same batches,
+interleaved in chunks in one process pair. One launch per workload, coverage rate and seed. Writes
+``<out>/tta_<workload>_cr<rate>.json`` and its ``..._time.png`` / ``..._steps.png`` per workload and coverage
+rate, prints the tables and rewrites the results section of ``--docs`` between ``<!-- tta:begin -->`` and
+``<!-- tta:end -->`` (an overview, then one section per workload and rate). Everything is in
+``benchmarks/tta.py``; ``deft-compile bench --time-to-accuracy`` runs the same code from a checkout.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     from deft_compile.tools.bench import parse_rate
     from tta import (
         DEFAULT_VARIANTS,
-        SIZES,
+        OVERVIEW_NOTE,
         VARIANTS,
+        WORKLOADS,
         TTAConfig,
+        overview_table,
+        results_section,
         run_benchmark,
+        write_docs_section,
     )
 
     defaults = TTAConfig()
@@ -44,10 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", default=None,
                         help="tc rate (e.g. 300mbit) or 'none' for the unshaped loopback; default: calibrate the "
                              "rate so that DDP's coverage rate is --coverage (root and iproute2)")
-    parser.add_argument("--coverage", type=float, default=1.0)
-    parser.add_argument("--size", choices=list(SIZES), default=defaults.size)
-    parser.add_argument("--batch", type=int, default=defaults.batch, help="windows per worker and step")
-    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--coverage", type=float, nargs="+", default=[1.0],
+                        help="DDP's coverage rates to calibrate the link to, one set of launches each")
+    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=[defaults.workload])
+    parser.add_argument("--size", default=defaults.size, help="a size of every workload (tiny, small, medium)")
+    parser.add_argument("--batch", type=int, default=defaults.batch,
+                        help="windows (gpt2) or images (cnn) per worker and step")
+    parser.add_argument("--lr", type=float, default=None, help="default: the workload's (AdamW 1e-3, SGD 0.05)")
     parser.add_argument("--val-windows", type=int, default=defaults.val_windows)
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
@@ -69,18 +78,35 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DEFT_EMULATE_ACCELERATOR"] = "1"  # inherited by the spawned workers
     try:
         bandwidth = "calibrate" if args.bandwidth is None else parse_rate(args.bandwidth)
-        cfg = TTAConfig(size=args.size, steps=args.steps, eval_every=args.eval_every, chunk=args.chunk,
-                        batch=args.batch, lr=args.lr, val_windows=args.val_windows, compiler=args.compiler,
-                        bucket_cap_mb=args.bucket_cap_mb, variants=tuple(args.variants),
-                        progress=not args.no_progress)
+        configs = [TTAConfig(workload=workload, size=args.size, steps=args.steps, eval_every=args.eval_every,
+                             chunk=args.chunk, batch=args.batch, lr=args.lr, val_windows=args.val_windows,
+                             compiler=args.compiler, bucket_cap_mb=args.bucket_cap_mb,
+                             variants=tuple(args.variants), progress=not args.no_progress)
+                   for workload in args.workload]
     except ValueError as error:
         parser.error(str(error))
+    if args.json and len(configs) * len(args.coverage) > 1:
+        parser.error("--json names one results file: give one --workload and one --coverage, or leave it out")
     out = Path(args.out)
-    command = "python benchmarks/time_to_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = ("python benchmarks/time_to_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    records = []
     try:
-        run_benchmark(cfg, args.seeds, bandwidth=bandwidth, coverage=args.coverage, workers=args.workers,
-                      timeout_s=args.timeout, json_path=args.json or out / "time_to_accuracy.json", plot_dir=out,
-                      docs_path=args.docs or None, command=command.strip())
+        for cfg in configs:
+            for coverage in args.coverage:
+                stem = f"tta_{cfg.workload}_cr{coverage:g}"
+                records.append(run_benchmark(
+                    cfg, args.seeds, bandwidth=bandwidth, coverage=coverage, workers=args.workers,
+                    timeout_s=args.timeout, json_path=args.json or out / f"{stem}.json", plot_dir=out,
+                    plot_stem=stem, command=command))
+        if args.docs:
+            docs = Path(args.docs)
+            sections = [overview_table(records), "", OVERVIEW_NOTE, ""]
+            for record in records:
+                sections += [f"### {record['config']['workload']} {record['config']['size']}, DDP's coverage rate "
+                             f"{record.get('coverage_target') or record.get('coverage_rate') or 'not measured'}",
+                             "", results_section(record, docs.parent), ""]
+            write_docs_section(docs, "\n".join(sections))
+            print(f"docs: {docs}")
     except RuntimeError as error:
         print(f"time_to_accuracy: {error}", file=sys.stderr)
         return 2

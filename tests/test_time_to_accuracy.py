@@ -166,7 +166,7 @@ def test_batches_are_deterministic_and_split_across_ranks():
     assert not torch.equal(r0.batch_at(3)[0], r1.batch_at(3)[0])
     assert torch.equal(r0.batch_at(2)[0], r0.batch_at(2)[1])  # labels are the inputs (the model shifts them)
     assert (r0.starts + 16 <= r0.train.numel()).all()  # training windows stay in the training split
-    assert sum(v.shape[0] for v in r0.validation()) + sum(v.shape[0] for v in r1.validation()) == 6
+    assert sum(v[0].shape[0] for v in r0.validation()) + sum(v[0].shape[0] for v in r1.validation()) == 6
     other = tta.TextBatches(corpus, rank=0, **{**common, "seed": 8})
     assert not torch.equal(r0.batch_at(0)[0], other.batch_at(0)[0])
 
@@ -201,3 +201,97 @@ def test_cli_dispatches_to_the_benchmark(monkeypatch):
     assert seen["seeds"] == [3, 4] and seen["bandwidth"] is None
     code = cli.main(["bench", "--time-to-accuracy", "--size", "tiny", "--no-progress"])
     assert code == 0 and seen["bandwidth"] == "calibrate" and seen["cfg"].steps == tta.TTAConfig.steps
+
+
+def test_script_runs_one_set_per_workload_and_coverage_rate(monkeypatch, tmp_path):
+    import time_to_accuracy  # benchmarks/time_to_accuracy.py
+
+    calls = []
+
+    def fake(cfg, seeds, **kwargs):
+        calls.append((cfg.workload, kwargs["coverage"], kwargs["plot_stem"], str(kwargs["json_path"])))
+        return {"config": {"workload": cfg.workload, "size": cfg.size}, "coverage_rate": kwargs["coverage"],
+                "coverage_target": kwargs["coverage"], "summary": {"aggregate": {}, "targets": None}}
+
+    monkeypatch.setattr(tta, "run_benchmark", fake)
+    monkeypatch.setattr(tta, "results_section", lambda record, docs_dir=None: f"section {record['config']['workload']}")
+    docs = tmp_path / "TTA.md"
+    docs.write_text(DOCS)
+    code = time_to_accuracy.main(["--workload", "gpt2", "cnn", "--coverage", "2", "3", "--size", "tiny",
+                                  "--out", str(tmp_path), "--docs", str(docs), "--no-progress"])
+    assert code == 0
+    assert [c[:3] for c in calls] == [("gpt2", 2.0, "tta_gpt2_cr2"), ("gpt2", 3.0, "tta_gpt2_cr3"),
+                                      ("cnn", 2.0, "tta_cnn_cr2"), ("cnn", 3.0, "tta_cnn_cr3")]
+    assert all(c[3].endswith(f"{c[2]}.json") for c in calls)
+    text = docs.read_text()
+    assert text.count("section gpt2") == 2 and text.count("section cnn") == 2 and "| workload | DDP's CR |" in text
+    with pytest.raises(SystemExit):  # one results file cannot hold four sets
+        time_to_accuracy.main(["--workload", "gpt2", "cnn", "--json", str(tmp_path / "x.json")])
+
+
+# --------------------------------------------------------------------------- the CNN workload
+
+
+@pytest.fixture(scope="module")
+def cnn_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tta-cnn")
+    cfg = tta.TTAConfig(workload="cnn", size="tiny", steps=6, eval_every=3, chunk=2, batch=4, val_windows=32,
+                        variants=("ddp", "ddp-compiled", "deft-sync"), progress=False)
+    return tta.run_benchmark(cfg, [0], bandwidth=None, measure_cr=False, timeout_s=240, json_path=out / "cnn.json",
+                             plot_dir=None, command="pytest", log=lambda message: None)
+
+
+def test_cnn_workload_trains_and_synchronous_variants_match_ddp(cnn_run):
+    """BatchNorm ResNet, SGD momentum, cosine schedule: deft's synchronous plan and torch.compile(DDP) give DDP's
+    validation and training losses (round-off); DDP's validation loss falls on the teacher task."""
+    variants = cnn_run["runs"]["0"]["variants"]
+    ddp = variants["ddp"]
+    assert len({v["evals"][0]["val_loss"] for v in variants.values()}) == 1
+    assert ddp["evals"][-1]["val_loss"] < ddp["evals"][0]["val_loss"]
+    for name in ("ddp-compiled", "deft-sync"):
+        assert [e["val_loss"] for e in variants[name]["evals"]] == pytest.approx(
+            [e["val_loss"] for e in ddp["evals"]], rel=1e-4), name
+        assert variants[name]["train_loss"] == pytest.approx(ddp["train_loss"], rel=1e-4), name
+    assert variants["ddp-compiled"]["torch_compile"] and not ddp["torch_compile"]
+    rows = cnn_run["summary"]["per_seed"][0]
+    assert rows["ddp-compiled"]["compile_s"] > 0.0 and rows["ddp"]["compile_s"] == 0.0
+    assert "ResNet `tiny`" in tta.results_section(cnn_run)
+
+
+def test_image_batches_are_deterministic_split_across_ranks_and_teacher_labelled():
+    import tta_cnn
+
+    common = {"size": "tiny", "batch": 4, "seed": 3, "world_size": 2, "val_images": 10}
+    r0, r1 = tta_cnn.ImageBatches(rank=0, **common), tta_cnn.ImageBatches(rank=1, **common)
+    again = tta_cnn.ImageBatches(rank=0, **common)
+    assert torch.equal(r0.batch_at(5)[0], again.batch_at(5)[0]) and not torch.equal(r0.batch_at(5)[0], r1.batch_at(5)[0])
+    assert not torch.equal(r0.batch_at(5)[0], tta_cnn.ImageBatches(rank=0, **{**common, "seed": 4}).batch_at(5)[0])
+    images, labels = r0.batch_at(0)
+    assert images.shape == (4, 3, 16, 16) and labels.dtype == torch.int64
+    assert sum(b[0].shape[0] for b in r0.validation()) + sum(b[0].shape[0] for b in r1.validation()) == 10
+    # one teacher: the labels are a function of the pooled pixels (the same image gets the same label)
+    x, y = tta_cnn.teacher_images(64, 16, torch.Generator().manual_seed(1))
+    _, again_y = tta_cnn.teacher_images(64, 16, torch.Generator().manual_seed(1))
+    assert torch.equal(y, again_y) and len(set(y.tolist())) > 3
+
+
+def test_targets_follow_the_coverage_rate_and_the_overview_names_every_variant():
+    assert tta.target_speedup(None) == 1.0 and tta.target_speedup(1.1) == 1.0
+    assert tta.target_speedup(2.2) == 1.25 and tta.target_speedup(2.9) == 1.4
+    run = {"variants": {"ddp": _variant([0.0, 10.0, 20.0], [5.0, 3.0, 2.0], [1.0] * 20),
+                        "deft": _variant([0.0, 8.0, 16.0], [5.0, 2.5, 1.98], [0.8] * 20)}}
+    summary = tta.summarise({0: run}, coverage=2.0)
+    speedup = summary["per_seed"][0]["deft"]["speedup"]
+    assert summary["targets"]["speedup_target"] == 1.25 and summary["targets"]["speedup_met"] == (speedup >= 1.25)
+    record = {"config": {"workload": "cnn", "size": "small"}, "coverage_rate": 2.04, "summary": summary}
+    table = tta.overview_table([record])
+    assert "| cnn small | 2.04 |" in table and "`deft`" in table and f"{speedup:.2f}x" in table
+
+
+def test_speedup_without_compile_takes_the_compile_off_the_clock():
+    ddp = _variant([0.0, 10.0, 20.0], [5.0, 3.0, 2.0], [1.0] * 20)
+    compiled = {**_variant([0.0, 40.0, 50.0], [5.0, 3.0, 2.0], [31.0] + [1.0] * 19), "torch_compile": True}
+    rows = tta.summarise({0: {"variants": {"ddp": ddp, "compiled": compiled}}})["per_seed"][0]
+    assert rows["compiled"]["compile_s"] == pytest.approx(30.0)
+    assert rows["compiled"]["speedup"] == pytest.approx(20.0 / 50.0)
+    assert rows["compiled"]["speedup_without_compile"] == pytest.approx(1.0)
