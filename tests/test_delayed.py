@@ -96,13 +96,13 @@ def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path, delayed_upd
         assert actual["preserver"] == expected["preserver"]
 
 
-@pytest.mark.parametrize("case", ["mlp_dropout_sgd", "transformer_tied_adamw_groups"])
-@pytest.mark.parametrize("options", ["deft", "deft-sync"])
+@pytest.mark.parametrize(("case", "options"), [("mlp_dropout_sgd", "deft"), ("transformer_tied_adamw_groups", "deft-sync")])
 def test_checkpoint_resumes_bit_identically_on_the_inductor_route(tmp_path, case, options):
     """Inductor's regions run from a graph's first call, so a resumed process runs the kernels the straight run
-    ran at the same step: bit-identical, with a pending delayed gradient in the checkpoint (``deft``) and without
-    (``deft-sync``), for SGD (with Dropout) and AdamW. The straight run saves the checkpoint after step 3 and trains
-    on (saving changes nothing it computes)."""
+    ran at the same step: bit-identical with a pending delayed gradient in the checkpoint (``deft``, SGD with
+    Dropout) and without (``deft-sync``, AdamW with tied weights and parameter groups; the aten-route tests above
+    cover every optimizer with pending gradients). The straight run saves the checkpoint after step 3 and trains on
+    (saving changes nothing it computes)."""
     path = str(tmp_path / "ckpt")
     straight = run_local_workers(checkpoint_run, 2, (case, 0, 6, None, path, "averaged", options, "inductor", 3),
                                  timeout_s=400, collective_timeout_s=240)
