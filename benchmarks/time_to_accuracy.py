@@ -24,21 +24,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def write_docs(docs: Path, records: list[dict]) -> None:
+    """The results section of ``docs``: the overview of every set, then one section per workload and rate."""
+    from tta import OVERVIEW_NOTE, overview_table, results_section, write_docs_section
+
+    sections = [overview_table(records), "", OVERVIEW_NOTE, ""]
+    for record in records:
+        sections += [f"### {record['config']['workload']} {record['config']['size']}, DDP's coverage rate "
+                     f"{record.get('coverage_target') or record.get('coverage_rate') or 'not measured'}",
+                     "", results_section(record, docs.parent), ""]
+    write_docs_section(docs, "\n".join(sections))
+    print(f"docs: {docs}")
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from deft_compile.compilers import COMPILERS
     from deft_compile.tools.bench import parse_rate
-    from tta import (
-        DEFAULT_VARIANTS,
-        OVERVIEW_NOTE,
-        VARIANTS,
-        WORKLOADS,
-        TTAConfig,
-        overview_table,
-        results_section,
-        run_benchmark,
-        write_docs_section,
-    )
+    from tta import DEFAULT_VARIANTS, VARIANTS, WORKLOADS, TTAConfig, run_benchmark
 
     defaults = TTAConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,7 +76,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="markdown file whose tta section is rewritten ('' to skip)")
     parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per launch (one seed)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                        help="run nothing: rewrite the --docs section from these results files (one per workload "
+                             "and coverage rate, as this script writes them)")
     args = parser.parse_args(argv)
+    if args.render:
+        import json
+
+        if not args.docs:
+            parser.error("--render needs --docs")
+        write_docs(Path(args.docs), [json.loads(Path(path).read_text()) for path in args.render])
+        return 0
     if args.emulate_accelerator:
         os.environ["DEFT_EMULATE_ACCELERATOR"] = "1"  # inherited by the spawned workers
     try:
@@ -99,14 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_s=args.timeout, json_path=args.json or out / f"{stem}.json", plot_dir=out,
                     plot_stem=stem, command=command))
         if args.docs:
-            docs = Path(args.docs)
-            sections = [overview_table(records), "", OVERVIEW_NOTE, ""]
-            for record in records:
-                sections += [f"### {record['config']['workload']} {record['config']['size']}, DDP's coverage rate "
-                             f"{record.get('coverage_target') or record.get('coverage_rate') or 'not measured'}",
-                             "", results_section(record, docs.parent), ""]
-            write_docs_section(docs, "\n".join(sections))
-            print(f"docs: {docs}")
+            write_docs(Path(args.docs), records)
     except RuntimeError as error:
         print(f"time_to_accuracy: {error}", file=sys.stderr)
         return 2

@@ -227,6 +227,13 @@ def test_script_runs_one_set_per_workload_and_coverage_rate(monkeypatch, tmp_pat
     assert text.count("section gpt2") == 2 and text.count("section cnn") == 2 and "| workload | DDP's CR |" in text
     with pytest.raises(SystemExit):  # one results file cannot hold four sets
         time_to_accuracy.main(["--workload", "gpt2", "cnn", "--json", str(tmp_path / "x.json")])
+    # --render rebuilds the section from saved results without running anything
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(fake(tta.TTAConfig(workload="cnn", size="tiny"), [0], coverage=3.0,
+                                     plot_stem="s", json_path="j")))
+    docs.write_text(DOCS)
+    assert time_to_accuracy.main(["--render", str(saved), "--docs", str(docs)]) == 0
+    assert docs.read_text().count("section cnn") == 1 and "cnn tiny, DDP's coverage rate 3" in docs.read_text()
 
 
 # --------------------------------------------------------------------------- the CNN workload
