@@ -14,7 +14,7 @@ import torch
 
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.debug.dump import GraphDumper
-from deft_compile.passes.schedule import ItemPhase, pending_key
+from deft_compile.passes.schedule import APPLY_NEXT_FORWARD, ItemPhase, pending_key
 from deft_compile.planner.plan import LinkCost
 from deft_compile.planner.solvers import solve
 from deft_compile.step.capture import capture_step
@@ -111,6 +111,29 @@ def test_every_plan_leaves_the_regions_whole_and_the_same(captured_and_reference
         assert any(not s.is_region for s in program.segments)  # the plan's glue runs between the regions
     if policy != "wfbp":
         assert len(plan.items) > 1
+
+
+@pytest.mark.parametrize("policy", ["bytescheduler", "usbyte"])
+def test_an_update_moved_before_a_layer_runs_before_every_forward_region_that_reads_its_parameter(
+        captured_and_reference, policy):
+    """The update is written in place into the parameter: the forward's read of it is no graph edge, yet the
+    program must keep the graph's order (else the layer runs with last step's weights)."""
+    captured, _ = captured_and_reference
+    _, _, items = _rewritten(captured, policy)
+    carried = {item.id: ItemPhase(pending_in=True) for item in items if item.apply == APPLY_NEXT_FORWARD}
+    assert carried, f"{policy} moves updates into the next forward"
+    gm, _, _ = _rewritten(captured, policy, phases=carried)
+    program = RegionalProgram(gm)
+    params = program.placeholders[: gm.meta["deft_layout"].num_params]
+    updated_at = {s.region[1]: i for i, s in enumerate(program.segments) if s.is_region and s.region[0] == "update"}
+    checked = 0
+    for index, segment in enumerate(program.segments):
+        if segment.is_region and segment.region[0] == "forward":
+            for p, param in enumerate(params):
+                if param in segment.inputs and p in updated_at:
+                    assert updated_at[p] < index, f"{policy}: parameter {p}'s update runs after forward {segment.region}"
+                    checked += 1
+    assert checked > 0
 
 
 def test_the_program_computes_what_the_graph_computes():

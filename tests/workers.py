@@ -322,15 +322,15 @@ def compare_policy_with_ddp(rank: int, world_size: int, case: str, steps: int, p
 
 
 def policy_with_lr_schedule_beside_ddp(rank: int, world_size: int, case: str, steps: int, policy: str,
-                                       flush_after: tuple[int, ...] = ()) -> dict:
+                                       flush_after: tuple[int, ...] = (), compiler: str | None = None) -> dict:
     """``compare_policy_with_ddp`` with a learning rate that changes every step (a ``LambdaLR`` warm-up, stepped
     after every step on both sides, as training loops do) and ``flush()`` after the steps in ``flush_after``,
     training on after each. A plan that moves step t's update into call t+1 (or into a flush) must still apply
-    it at step t's learning rate, as DDP does."""
+    it at step t's learning rate, as DDP does. ``compiler``: the step's (default: the suite's)."""
     from torch.optim.lr_scheduler import LambdaLR
 
     loss_fn, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer, batches, step = _policy_beside_ddp(
-        rank, world_size, case, steps, policy)
+        rank, world_size, case, steps, policy, **({"compiler": compiler} if compiler else {}))
     factor = lambda t: (t + 1) / steps  # noqa: E731  a different rate at every step
     schedulers = [LambdaLR(ddp_optimizer, factor), LambdaLR(deft_optimizer, factor)]
     report = []

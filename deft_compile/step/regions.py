@@ -27,6 +27,7 @@ Values are dropped after their last use, as in one graph.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import logging
@@ -279,12 +280,16 @@ def _region_of(node: fx.Node) -> tuple | None:
 
 
 def _glue_to_region_edges(graph: fx.Graph) -> list[fx.Node]:
-    """The graph's computing nodes in run order, scalars left out, with the plan's nodes that the passes put inside
-    a region moved to its edge: after the region when nothing later in it reads them (a launch after a gradient
-    made ready inside a block's backward), else before it when they read nothing of it (a wait before a layer).
-    A node that both reads the region and is read by it stays, and splits the region."""
+    """The graph's computing nodes in run order, scalars left out, with the nodes that sit inside a region's span
+    (the plan's glue, or another region: an update the plan moved before a layer's forward) moved to its edge:
+    after the region when nothing later in it depends on them (a launch after a gradient made ready inside a
+    block's backward), else before it when they depend on nothing of it (a wait before a layer). Dependencies are
+    the graph's edges and in-place writes: a node that writes a tensor (or a view of it) that a later member reads
+    or writes, or reads one a later member writes, must stay before those members (an update of a parameter that
+    the layer's forward reads after it). A node that depends both ways stays, and splits the region."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output") and _region_of(n) != SCALAR]
     position = {node: i for i, node in enumerate(nodes)}
+    access = _Access()
     members_of: dict[tuple, list[fx.Node]] = {}
     for node in nodes:
         region = _region_of(node)
@@ -295,23 +300,11 @@ def _glue_to_region_edges(graph: fx.Graph) -> list[fx.Node]:
         if last - first + 1 == len(members):
             continue
         member_set = set(members)
-        before: list[fx.Node] = []
-        after: list[fx.Node] = []
-        stuck = False
-        for node in nodes[first: last + 1]:
-            if node in member_set:
-                continue
-            reads_region = any(a in member_set for a in node.all_input_nodes)
-            read_later = any(u in member_set and position[u] > position[node] for u in node.users)
-            if not read_later and not _writes_region(node, member_set):
-                after.append(node)
-            elif not reads_region:
-                before.append(node)
-            else:
-                stuck = True
-                break
-        if stuck or _depends_on_any(before, after):
+        intruders = [node for node in nodes[first: last + 1] if node not in member_set]
+        split = _split_intruders(intruders, members, member_set, position, access)
+        if split is None:
             continue  # the region stays split (each piece compiles on its own)
+        before, after = split
         span = before + members + after
         nodes[first: last + 1] = span
         for offset, node in enumerate(span):
@@ -319,10 +312,96 @@ def _glue_to_region_edges(graph: fx.Graph) -> list[fx.Node]:
     return nodes
 
 
-def _depends_on_any(before: list[fx.Node], after: list[fx.Node]) -> bool:
-    """Whether a node moved before the region reads one moved after it (then the move would reorder them)."""
-    moved_after = set(after)
-    return any(a in moved_after for node in before for a in node.all_input_nodes)
+def _split_intruders(intruders: list[fx.Node], members: list[fx.Node], member_set: set[fx.Node],
+                     position: dict[fx.Node, int], access: "_Access") -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """The nodes inside a region's span that run before it and those that run after it, each in graph order, or
+    None when they cannot all leave it. A node goes before when a later member depends on it (reads its value,
+    or a tensor it writes in place; or writes one it reads), and so does every earlier intruder such a node
+    depends on; the rest go after. A node going before that depends on an earlier member cannot leave."""
+    member_positions = [position[m] for m in members]
+    # the storages that members read and write from each member on (suffix) and before it (prefix)
+    suffix: list[tuple[frozenset, frozenset]] = [(frozenset(), frozenset())] * (len(members) + 1)
+    for i in range(len(members) - 1, -1, -1):
+        reads, writes = suffix[i + 1]
+        suffix[i] = (reads | access.reads(members[i]), writes | access.writes(members[i]))
+    prefix: list[tuple[frozenset, frozenset]] = [(frozenset(), frozenset())]
+    for member in members:
+        reads, writes = prefix[-1]
+        prefix.append((reads | access.reads(member), writes | access.writes(member)))
+
+    def clashes(node: fx.Node, reads: frozenset, writes: frozenset) -> bool:
+        return bool(access.writes(node) & (reads | writes)) or bool(writes & access.reads(node))
+
+    before: set[fx.Node] = set()
+    need_values: set[fx.Node] = set()  # what the nodes going before read, as values and as storages
+    need_reads: set[fx.Node] = set()
+    need_writes: set[fx.Node] = set()
+    for node in reversed(intruders):
+        here = position[node]
+        later = bisect.bisect_right(member_positions, here)
+        forced = (any(u in member_set and position[u] > here for u in node.users) or _writes_region(node, member_set)
+                  or clashes(node, *suffix[later]))
+        feeds = (node in need_values or bool(access.writes(node) & (need_reads | need_writes))
+                 or bool(need_writes & access.reads(node)))
+        if not (forced or feeds):
+            continue
+        if any(a in member_set for a in node.all_input_nodes) or clashes(node, *prefix[later]):
+            return None
+        before.add(node)
+        need_values.update(node.all_input_nodes)
+        need_reads |= access.reads(node)
+        need_writes |= access.writes(node)
+    return [n for n in intruders if n in before], [n for n in intruders if n not in before]
+
+
+class _Access:
+    """The tensors a node reads and writes, as the nodes that own their storage (a view's or an in-place op's
+    result is its input's storage; ``wait_tensor`` returns the tensor it waited for), memoised."""
+
+    def __init__(self) -> None:
+        self._storage: dict[fx.Node, fx.Node] = {}
+        self._reads: dict[fx.Node, frozenset[fx.Node]] = {}
+        self._writes: dict[fx.Node, frozenset[fx.Node]] = {}
+
+    def storage(self, node: fx.Node) -> fx.Node:
+        known = self._storage.get(node)
+        if known is not None:
+            return known
+        base = node
+        if node.op == "call_function":
+            if node.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(node.args[0], fx.Node):
+                base = self.storage(node.args[0])
+            else:
+                schema = getattr(node.target, "_schema", None)
+                aliased = {name for r in (schema.returns if schema else ()) if r.alias_info for name in r.alias_info.before_set}
+                for argument, value in zip(schema.arguments if schema else (), node.args):
+                    if (argument.alias_info is not None and aliased & argument.alias_info.before_set
+                            and isinstance(value, fx.Node)):
+                        base = self.storage(value)
+                        break
+        self._storage[node] = base
+        return base
+
+    def reads(self, node: fx.Node) -> frozenset[fx.Node]:
+        if node not in self._reads:
+            self._reads[node] = frozenset(self.storage(a) for a in node.all_input_nodes)
+        return self._reads[node]
+
+    def writes(self, node: fx.Node) -> frozenset[fx.Node]:
+        if node not in self._writes:
+            written: set[fx.Node] = set()
+            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+            for argument, value in zip(schema.arguments if schema else (), node.args):
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    values = value if isinstance(value, (list, tuple)) else [value]
+                    written.update(self.storage(v) for v in values if isinstance(v, fx.Node))
+            self._writes[node] = frozenset(written)
+        return self._writes[node]
+
+    def conflict(self, a: fx.Node, b: fx.Node) -> bool:
+        """Whether ``a`` and ``b`` must keep their order because of an in-place write by either."""
+        wa, wb = self.writes(a), self.writes(b)
+        return bool(wa & (self.reads(b) | wb)) or bool(wb & self.reads(a))
 
 
 def _writes_region(node: fx.Node, members: set[fx.Node]) -> bool:
