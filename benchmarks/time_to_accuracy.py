@@ -78,14 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
                         help="run nothing: rewrite the --docs section from these results files (one per workload "
-                             "and coverage rate, as this script writes them)")
+                             "and coverage rate, as this script writes them; .json or .json.gz)")
     args = parser.parse_args(argv)
     if args.render:
         import json
 
         if not args.docs:
             parser.error("--render needs --docs")
-        write_docs(Path(args.docs), [json.loads(Path(path).read_text()) for path in args.render])
+        import gzip
+
+        write_docs(Path(args.docs), [json.loads(gzip.decompress(Path(path).read_bytes()) if path.endswith(".gz")
+                                                else Path(path).read_text()) for path in args.render])
         return 0
     if args.emulate_accelerator:
         os.environ["DEFT_EMULATE_ACCELERATOR"] = "1"  # inherited by the spawned workers

@@ -3,6 +3,7 @@ a few steps; about 30-40 s) and unit tests of its analysis."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import math
@@ -234,6 +235,11 @@ def test_script_runs_one_set_per_workload_and_coverage_rate(monkeypatch, tmp_pat
     docs.write_text(DOCS)
     assert time_to_accuracy.main(["--render", str(saved), "--docs", str(docs)]) == 0
     assert docs.read_text().count("section cnn") == 1 and "cnn tiny, DDP's coverage rate 3" in docs.read_text()
+    packed = tmp_path / "saved.json.gz"
+    packed.write_bytes(gzip.compress(saved.read_bytes()))
+    docs.write_text(DOCS)
+    assert time_to_accuracy.main(["--render", str(packed), str(saved), "--docs", str(docs)]) == 0
+    assert docs.read_text().count("section cnn") == 2
 
 
 # --------------------------------------------------------------------------- the CNN workload
