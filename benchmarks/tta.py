@@ -665,6 +665,10 @@ def summarise_seed(value: dict[str, Any]) -> dict[str, dict[str, Any]]:
     target = ddp["evals"][-1]["val_loss"]
     ddp_time = time_to_target([(e["time_s"], e["val_loss"]) for e in ddp["evals"]], target)
     ddp_steps = time_to_target([(e["step"], e["val_loss"]) for e in ddp["evals"]], target)
+    # the looser target: within the final-loss tolerance of DDP's final loss (a variant that ends just above DDP's
+    # loss never reaches it exactly, however fast it gets close)
+    near = target * (1.0 + TARGET_FINAL_EXCESS)
+    ddp_near = time_to_target([(e["time_s"], e["val_loss"]) for e in ddp["evals"]], near)
     ddp_over = overheads(ddp)
     rows: dict[str, dict[str, Any]] = {}
     for name, v in variants.items():
@@ -677,8 +681,10 @@ def summarise_seed(value: dict[str, Any]) -> dict[str, dict[str, Any]]:
         # but the one at step 0): what the run costs once the compiled graphs are in the cache
         warm = time_to_target([(max(0.0, e["time_s"] - compile_s) if e["step"] else 0.0, e["val_loss"])
                                for e in v["evals"]], target)
+        seconds_near = time_to_target([(e["time_s"], e["val_loss"]) for e in v["evals"]], near)
         rows[name] = {
-            "target": target, "final_loss": final, "final_vs_ddp": final / target - 1.0,
+            "target": target, "final_loss": final,
+            "speedup_near": ddp_near / seconds_near if seconds_near and ddp_near is not None else None, "final_vs_ddp": final / target - 1.0,
             "total_s": v["evals"][-1]["time_s"], "time_to_target_s": seconds, "steps_to_target": steps,
             "speedup": ddp_time / seconds if seconds and ddp_time is not None else None,
             "compile_s": compile_s,
@@ -716,6 +722,7 @@ def summarise(runs: dict[int, dict[str, Any]], coverage: float | None = None) ->
             "worst_final_vs_ddp": max(r["final_vs_ddp"] for r in rows),
             "speedup": _mean([r["speedup"] for r in rows]),
             "speedup_without_compile": _mean([r["speedup_without_compile"] for r in rows]),
+            "speedup_near": _mean([r["speedup_near"] for r in rows]),
             "compile_s": _mean([r["compile_s"] for r in rows]),
             "min_speedup": min(r["speedup"] for r in rows) if all(r["speedup"] is not None for r in rows) else None,
             "step_speedup": _mean([r["step_speedup"] for r in rows]),
@@ -741,9 +748,9 @@ def _fmt(value: float | None, pattern: str, missing: str = "never") -> str:
 def markdown_table(summary: dict[str, Any]) -> str:
     """The results table: one row per variant (seed means; per-seed values in brackets where they matter)."""
     lines = [("| variant | final val loss | vs DDP's final | time to DDP's final loss (s) | speed-up vs DDP | "
-              "without compile | compile (s) | steady step (s) | step speed-up | step efficiency | "
+              "without compile | to within 1 % | compile (s) | steady step (s) | step speed-up | step efficiency | "
               "runtime overheads (first / retrace / probe) | eval flush / chunk sync |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     per_seed = summary["per_seed"]
     for name, agg in summary["aggregate"].items():
         rows = [per_seed[s][name] for s in per_seed]
@@ -753,7 +760,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {_fmt(agg['final_loss'], '{:.4f}', '-')} | {_fmt(agg['final_vs_ddp'], '{:+.2%}', '-')} "
             f"(worst {agg['worst_final_vs_ddp']:+.2%}) | {times} | {_fmt(agg['speedup'], '{:.2f}x')} ({speedups}) | "
-            f"{_fmt(agg['speedup_without_compile'], '{:.2f}x')} | {_fmt(agg['compile_s'], '{:.1f}', '-')} | "
+            f"{_fmt(agg['speedup_without_compile'], '{:.2f}x')} | {_fmt(agg['speedup_near'], '{:.2f}x')} | "
+            f"{_fmt(agg['compile_s'], '{:.1f}', '-')} | "
             f"{_fmt(_mean([r['base_step_s'] for r in rows]), '{:.3f}', '-')} | "
             f"{_fmt(agg['step_speedup'], '{:.2f}x', '-')} | {_fmt(agg['step_efficiency'], '{:.2f}', 'never')} | "
             f"{_fmt(shares['first_step'], '{:.1%}', '-')} / {_fmt(shares['retrace'], '{:.1%}', '-')} / "
@@ -768,7 +776,8 @@ TABLE_NOTE = (
     "relative 1e-4: round-off), linearly interpolated between evaluations (per seed). *speed-up*: DDP's time to that loss / the variant's (seed mean; "
     "per seed in brackets). *without compile*: the same with the variant's compile seconds (*compile*: Inductor's, "
     "inside its first call; deft variants of one process share Inductor's caches, so the first to run pays for graphs "
-    "they share) taken off its clock. *steady step*: median of plain steps. *step speed-up*: DDP's steady step / the "
+    "they share) taken off its clock. *to within 1 %*: the speed-up to a loss 1 % above DDP's final one (DDP's time to "
+    "it / the variant's). *steady step*: median of plain steps. *step speed-up*: DDP's steady step / the "
     "variant's (what the schedule buys per step). *step efficiency*: DDP's steps to the target / the variant's "
     "(what staleness and periods cost per step; < 1 = more steps needed). *runtime overheads*: share of the "
     "training clock spent in the first step's profiling/planning/trace, in retraces and in the Preserver's "
@@ -918,7 +927,8 @@ def overview_table(records: Sequence[dict[str, Any]]) -> str:
         for name in names:
             agg = aggregate.get(name)
             cells.append("-" if agg is None else
-                         f"{_fmt(agg['speedup'], '{:.2f}x')}, {agg['final_vs_ddp']:+.1%}")
+                         f"{_fmt(agg['speedup'], '{:.2f}x')} ({_fmt(agg.get('speedup_near'), '{:.2f}x')}), "
+                         f"{agg['final_vs_ddp']:+.2%}")
         verdict = "-" if not targets else (
             f"{targets['speedup_target']:g}x: {'met' if targets['speedup_met'] else 'not met'}; "
             f"+{targets['final_target']:.0%}: {'met' if targets['final_met'] else 'not met'}")
@@ -928,8 +938,8 @@ def overview_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 OVERVIEW_NOTE = ("Each cell: speed-up to DDP's final validation loss (DDP's time / the variant's, training clock "
-                 "with compiles, seed mean; *never*: some seed did not reach it), final validation loss against "
-                 "DDP's (seed mean).")
+                 "with compiles, seed mean; *never*: some seed did not reach it), in brackets the speed-up to 1 % above "
+                 "it, then the final validation loss against DDP's (seed mean).")
 
 
 # --------------------------------------------------------------------------- driver

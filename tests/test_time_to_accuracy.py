@@ -138,6 +138,9 @@ def test_summarise_hand_made_run():
     assert rows["deft"]["step_speedup"] == pytest.approx(2.0)
     assert rows["deft"]["steps_to_target"] == pytest.approx(10 + 10 * 0.5 / 0.6)
     assert rows["slow"]["time_to_target_s"] is None and rows["slow"]["speedup"] is None
+    # within 1 % of DDP's final 2.0 (2.02): DDP at 10 + 10 * 0.98, deft at 5 + 5 * 0.48 / 0.6; slow ends at 2.1
+    assert rows["deft"]["speedup_near"] == pytest.approx((10 + 10 * 0.98) / (5 + 5 * 0.48 / 0.6))
+    assert rows["slow"]["speedup_near"] is None
     assert summary["aggregate"]["slow"]["reached"] == 0 and summary["aggregate"]["deft"]["reached"] == 1
     targets = summary["targets"]
     assert targets["speedup_met"] and targets["final_met"]
