@@ -30,8 +30,10 @@ def write_docs(docs: Path, records: list[dict]) -> None:
 
     sections = [overview_table(records), "", OVERVIEW_NOTE, ""]
     for record in records:
+        measured, target = record.get("coverage_rate"), record.get("coverage_target")
         sections += [f"### {record['config']['workload']} {record['config']['size']}, DDP's coverage rate "
-                     f"{record.get('coverage_target') or record.get('coverage_rate') or 'not measured'}",
+                     + (f"{measured:.2f}" if measured is not None else "not measured")
+                     + (f" (calibrated to {target:g})" if target else ""),
                      "", results_section(record, docs.parent), ""]
     write_docs_section(docs, "\n".join(sections))
     print(f"docs: {docs}")
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulate-accelerator", action="store_true",
                         help="compute thread on core 0, gloo's threads on core 1 (DESIGN.md section 5)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "img"), help="folder of the PNGs (and default JSON)")
-    parser.add_argument("--json", default=None, help="results file (default <out>/time_to_accuracy.json)")
+    parser.add_argument("--json", default=None, help="results file (default <out>/tta_<workload>_cr<rate>.json)")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "TIME_TO_ACCURACY.md"),
                         help="markdown file whose tta section is rewritten ('' to skip)")
     parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per launch (one seed)")
@@ -87,8 +89,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--render needs --docs")
         import gzip
 
-        write_docs(Path(args.docs), [json.loads(gzip.decompress(Path(path).read_bytes()) if path.endswith(".gz")
-                                                else Path(path).read_text()) for path in args.render])
+        from tta import summarise
+
+        records = [json.loads(gzip.decompress(Path(path).read_bytes()) if path.endswith(".gz") else Path(path).read_text())
+                   for path in args.render]
+        for record in records:  # the summary as this code computes it, from the saved runs
+            if record.get("runs"):
+                runs = {int(seed): value for seed, value in record["runs"].items()}
+                record["summary"] = summarise(runs, coverage=record.get("coverage_target"))
+        write_docs(Path(args.docs), records)
         return 0
     if args.emulate_accelerator:
         os.environ["DEFT_EMULATE_ACCELERATOR"] = "1"  # inherited by the spawned workers

@@ -96,6 +96,12 @@ def test_outputs_written(run):
     assert "Not yet run" not in text and "| variant | final val loss |" in text
     assert text.startswith("# Title\n\nintro\n") and text.endswith("<!-- tta:end -->\n\ntail text\n")
     assert text.count(tta.BEGIN) == 1 and text.count(tta.END) == 1
+    # the saved results render again, their summary computed afresh from the runs
+    import time_to_accuracy
+
+    again = out / "again.md"
+    assert time_to_accuracy.main(["--render", str(out / "tta.json"), "--docs", str(again)]) == 0
+    assert "| deft-sync |" in again.read_text() and "| gpt2 tiny | - |" in again.read_text()
 
 
 # --------------------------------------------------------------------------- pure
@@ -237,7 +243,7 @@ def test_script_runs_one_set_per_workload_and_coverage_rate(monkeypatch, tmp_pat
                                      plot_stem="s", json_path="j")))
     docs.write_text(DOCS)
     assert time_to_accuracy.main(["--render", str(saved), "--docs", str(docs)]) == 0
-    assert docs.read_text().count("section cnn") == 1 and "cnn tiny, DDP's coverage rate 3" in docs.read_text()
+    assert docs.read_text().count("section cnn") == 1 and "cnn tiny, DDP's coverage rate 3.00 (calibrated to 3)" in docs.read_text()
     packed = tmp_path / "saved.json.gz"
     packed.write_bytes(gzip.compress(saved.read_bytes()))
     docs.write_text(DOCS)
