@@ -329,9 +329,6 @@ def _split_intruders(intruders: list[fx.Node], members: list[fx.Node], member_se
         reads, writes = prefix[-1]
         prefix.append((reads | access.reads(member), writes | access.writes(member)))
 
-    def clashes(node: fx.Node, reads: frozenset, writes: frozenset) -> bool:
-        return bool(access.writes(node) & (reads | writes)) or bool(writes & access.reads(node))
-
     before: set[fx.Node] = set()
     need_values: set[fx.Node] = set()  # what the nodes going before read, as values and as storages
     need_reads: set[fx.Node] = set()
@@ -340,12 +337,11 @@ def _split_intruders(intruders: list[fx.Node], members: list[fx.Node], member_se
         here = position[node]
         later = bisect.bisect_right(member_positions, here)
         forced = (any(u in member_set and position[u] > here for u in node.users) or _writes_region(node, member_set)
-                  or clashes(node, *suffix[later]))
-        feeds = (node in need_values or bool(access.writes(node) & (need_reads | need_writes))
-                 or bool(need_writes & access.reads(node)))
+                  or access.clashes(node, *suffix[later]))
+        feeds = node in need_values or access.clashes(node, need_reads, need_writes)
         if not (forced or feeds):
             continue
-        if any(a in member_set for a in node.all_input_nodes) or clashes(node, *prefix[later]):
+        if any(a in member_set for a in node.all_input_nodes) or access.clashes(node, *prefix[later]):
             return None
         before.add(node)
         need_values.update(node.all_input_nodes)
@@ -389,31 +385,28 @@ class _Access:
 
     def writes(self, node: fx.Node) -> frozenset[fx.Node]:
         if node not in self._writes:
-            written: set[fx.Node] = set()
-            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-            for argument, value in zip(schema.arguments if schema else (), node.args):
-                if argument.alias_info is not None and argument.alias_info.is_write:
-                    values = value if isinstance(value, (list, tuple)) else [value]
-                    written.update(self.storage(v) for v in values if isinstance(v, fx.Node))
-            self._writes[node] = frozenset(written)
+            self._writes[node] = frozenset(self.storage(v) for v in _written_args(node))
         return self._writes[node]
 
-    def conflict(self, a: fx.Node, b: fx.Node) -> bool:
-        """Whether ``a`` and ``b`` must keep their order because of an in-place write by either."""
-        wa, wb = self.writes(a), self.writes(b)
-        return bool(wa & (self.reads(b) | wb)) or bool(wb & self.reads(a))
+    def clashes(self, node: fx.Node, reads: frozenset | set, writes: frozenset | set) -> bool:
+        """Whether ``node`` must keep its order against nodes that read ``reads`` and write ``writes`` (storages):
+        it writes what they read or write, or reads what they write."""
+        return bool(self.writes(node) & (reads | writes)) or bool(writes & self.reads(node))
+
+
+def _written_args(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose tensors ``node`` writes in place (its schema's written arguments, lists included)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    written: list[fx.Node] = []
+    for argument, value in zip(schema.arguments if schema else (), node.args):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node)]
+    return written
 
 
 def _writes_region(node: fx.Node, members: set[fx.Node]) -> bool:
     """Whether ``node`` writes in place into a tensor computed by the region (it must then stay where it is)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    for argument, value in zip(schema.arguments, node.args):
-        if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
-            if value in members:
-                return True
-    return False
+    return any(value in members for value in _written_args(node))
 
 
 def _scalar(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
