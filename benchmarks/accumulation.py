@@ -152,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         s = summary[name]
         print(f"| {name} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) |")
     if args.json:
+        from deft_compile.tools.provenance import provenance
+
         with open(args.json, "w") as handle:
-            json.dump({"args": vars(args), "launches": launches, "summary": summary}, handle, indent=1)
+            json.dump({"provenance": provenance(), "args": vars(args), "launches": launches, "summary": summary},
+                      handle, indent=1)
     return 0
 
 

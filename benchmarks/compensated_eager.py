@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # PlanReference's all-reduces
     results: dict = {"command": "python benchmarks/compensated_eager.py " + " ".join(argv or sys.argv[1:]), "runs": {}}
+    from deft_compile.tools.provenance import provenance
+
+    results["provenance"] = provenance(command=results["command"])
     for seed in args.seeds:
         for mode in args.modes.split(","):
             result = run(args.model, args.optimizer, args.lr, args.steps, seed, mode)

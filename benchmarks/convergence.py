@@ -512,7 +512,10 @@ def main(argv: list[str] | None = None) -> int:
                 steps[task] = old["steps"][task]
     summary = summarise(runs, args.variants)
     pngs = plot(runs, args.variants, out_dir)
-    record = {"commands": commands, "schedule": {"schedule": args.schedule, "warmup": args.warmup,
+    from deft_compile.tools.provenance import provenance
+
+    record = {"provenance": provenance(command=command),
+              "commands": commands, "schedule": {"schedule": args.schedule, "warmup": args.warmup,
                                                  "lr_every": args.lr_every}, "seeds": {t: sorted(runs[t]) for t in runs},
               "variants": {k: VARIANTS[k] for k in args.variants}, "steps": steps,
               "summary": summary, "runs": runs, "pngs": pngs, "elapsed_s": time.perf_counter() - started}

@@ -849,9 +849,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         png = out_dir / f"{args.name}.png"
         return 0 if plot(json.loads((out_dir / f"{args.name}.json").read_text()), png) else 1
+    from deft_compile.tools.provenance import provenance
+
     record: dict[str, Any] = {"command": "python benchmarks/dssync_dlcp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "cpus": os.cpu_count(), "torch": torch.__version__, "world_size": WORLD,
                               "intra_op_threads_per_worker": 1, "load_start": os.getloadavg()}
+    record["provenance"] = provenance(command=record["command"])
     started = time.perf_counter()
     json_path = out_dir / f"{args.name}.json"
     try:

@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"command": "python benchmarks/first_steps.py " + " ".join(argv or sys.argv[1:]),
                               "host": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()}, "models": {}}
+    from deft_compile.tools.provenance import provenance
+
+    report["provenance"] = provenance(command=report["command"])
     for model in args.models.split(","):
         runs = []
         for index in range(args.launches):

@@ -667,7 +667,10 @@ def part_overlap(device, quick: bool, checks: Checks, out_dir: Path) -> None:
         else:
             checks.data[policy] = {"measured_ms": measured, "predicted_ms": predicted}
     if trace_events:
-        (out_dir / "overlap_trace.json").write_text(json.dumps({"traceEvents": trace_events}))
+        from deft_compile.tools.provenance import provenance
+
+        trace = {"provenance": provenance(), "traceEvents": trace_events}
+        (out_dir / "overlap_trace.json").write_text(json.dumps(trace))
 
 
 # -- (e) accuracy ----------------------------------------------------------------------------------------------
@@ -913,7 +916,9 @@ def main(argv: list[str] | None = None) -> int:
         # the result is written: leave without the interpreter's teardown, where a collective thread still
         # winding down (the emulated link's timers, a backend's) can abort the process and hide the result
         os._exit(0)
-    report = {"device": args.device, "environment": environment(), "parts": []}
+    from deft_compile.tools.provenance import provenance
+
+    report = {"provenance": provenance(), "device": args.device, "environment": environment(), "parts": []}
     deadline = time.monotonic() + args.budget_s
     for name in [p for p in args.parts.split(",") if p]:
         if name not in PARTS:

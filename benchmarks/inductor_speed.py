@@ -163,8 +163,10 @@ def main() -> None:
         for variant, parts in (r["profile_ms_per_step"] or {}).items():
             print(f"    {variant:9s} " + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     if a.json:
+        from deft_compile.tools.provenance import provenance
+
         with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"provenance": provenance(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

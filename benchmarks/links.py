@@ -235,8 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     out = run(args.size_mb, args.repeats, args.rate1, args.rate2)
     print(report(out))
     if args.json:
+        from deft_compile.tools.provenance import provenance
+
         with open(args.json, "w") as handle:
-            json.dump(out, handle, indent=2)
+            json.dump({"provenance": provenance(), **out}, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     record: dict[str, Any] = {"command": "python benchmarks/links_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "two_links": [], "period": []}
+    from deft_compile.tools.provenance import provenance
+
+    record["provenance"] = provenance(command=record["command"])
     if args.part in ("two-links", "both"):
         cfg = {"inputs": args.width, "width": args.width, "depth": args.depth, "batch": args.batch,
                "bucket_cap_mb": 4.0, "allow_period": args.allow_period, "rate1": "1gbit", "rate2": "500mbit",

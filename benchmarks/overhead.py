@@ -184,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ratio']:>7.3f}x{r['trace_s']:>9.2f}{r['graph_nodes']:>7}"
         )
     if args.json:
+        from deft_compile.tools.provenance import provenance
+
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"provenance": provenance(), "rows": rows}, f, indent=2)
     return 0
 
 

@@ -493,7 +493,10 @@ def main(argv: list[str] | None = None) -> int:
             (directory / f"{name}.trace.json").write_text(json.dumps(timeline.to_chrome_trace()))
         print(f"Chrome traces of the simulated timelines in {directory}/")
     if args.json:
+        from deft_compile.tools.provenance import provenance
+
         payload = {
+            "provenance": provenance(),
             "config": {**cfg, "burst": args.burst, "latency": args.latency, "cpus": os.cpu_count(),
                        "torch": torch.__version__},
             "wall_s": elapsed,

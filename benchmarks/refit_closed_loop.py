@@ -10,7 +10,8 @@ under (``min_compute``), both γ settings with it; and where it recorded the ste
 Each plan's predicted time on that last refinement is printed beside its measured one (docs/PLANNER.md and
 benchmarks/results/clock-probes/ quote these fits).
 
-    python benchmarks/refit_closed_loop.py benchmarks/results/suite-inductor-transformers.json
+    python benchmarks/refit_closed_loop.py benchmarks/results/clock-probes/probe-resnet-normal.json \
+        --out benchmarks/results/clock-probes/probe-resnet-normal.refit.txt
 """
 
 from __future__ import annotations
@@ -48,8 +49,23 @@ def measured_synchronous_plans(run: dict[str, Any], variant: str = "deft"):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", help="a suite results JSON (benchmarks/results/suite-*.json)")
+    parser.add_argument("results", help="a suite results JSON (benchmarks/suite.py writes them)")
+    parser.add_argument("--out", default=None, help="also write what this prints to this file, after a first line "
+                                                    "with its provenance (deft_compile.tools.provenance)")
     args = parser.parse_args(argv)
+    if args.out:
+        import contextlib
+        import io
+        from pathlib import Path
+
+        from deft_compile.tools.provenance import TEXT_PREFIX, provenance
+
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            main([args.results])
+        print(printed.getvalue(), end="")
+        Path(args.out).write_text(TEXT_PREFIX + json.dumps(provenance()) + "\n" + printed.getvalue())
+        return
     data = json.load(open(args.results))
     settings = [("gamma held, no prior", {"contention": 0.0, "prior_weight": 0.0}),
                 ("gamma held, prior", {"contention": 0.0}),

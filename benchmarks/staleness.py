@@ -140,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
             summary[v]["loss_ratio"] = summary[v]["test_loss"] / summary["ddp"]["test_loss"]
             summary[v]["within_bounds"] = summary[v]["accuracy_diff_points"] >= -0.5
     plot(runs, args.variants, args.lr, out_dir / "staleness.png")
+    from deft_compile.tools.provenance import provenance
+
     record = {"command": "python benchmarks/staleness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "lr": args.lr, "steps": args.steps, "seeds": args.seeds, "summary": summary, "runs": runs,
               "elapsed_s": time.perf_counter() - started}
+    record["provenance"] = provenance(command=record["command"])
     (out_dir / "staleness.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(summary, indent=1))
     for seed in args.seeds:

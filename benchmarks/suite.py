@@ -320,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             + f", compiler {args.compiler or default_compiler()}"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    from deft_compile.tools.provenance import provenance
+
+    out.write_text(json.dumps({"provenance": provenance(command=meta["command"]), "meta": meta, "results": results},
+                              indent=1, default=str))
     if args.docs:
         png = plot(results, out.with_suffix(".png"))
         write_docs(results, meta, Path(args.docs), png, out)

@@ -1017,7 +1017,10 @@ def run_benchmark(cfg: TTAConfig, seeds: Sequence[int], *, bandwidth: str | None
         description = net["description"]
     summary = summarise(runs, coverage=target)
     first = runs[min(runs)]
+    from deft_compile.tools.provenance import provenance
+
     record: dict[str, Any] = {
+        "provenance": provenance(command=command or "python benchmarks/time_to_accuracy.py"),
         "meta": {"command": command or "python benchmarks/time_to_accuracy.py", "date": time.strftime("%Y-%m-%d %H:%M"),
                  "host": f"{os.cpu_count()} cores, possibly shared, torch {torch.__version__}, load "
                          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}",

@@ -15,7 +15,9 @@ def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / f"overhead{len(extra)}.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--presets", "mlp", "--steps", "2",
                     "--json", str(out), *extra], check=True, cwd=ROOT, timeout=300)
-    (row,) = json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    assert saved["provenance"]["command"].startswith("python ")  # deft_compile.tools.provenance
+    (row,) = saved["rows"]
     assert row["model"] == "mlp" and row["eager_ms"] > 0 and row["compiled_ms"] > 0
     return row
 

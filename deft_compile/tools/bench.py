@@ -945,7 +945,10 @@ def _write(args: argparse.Namespace, runs: list[dict[str, Any]], elapsed: float,
     if not args.json:
         return
     import torch
-    payload = {"command": "deft-compile bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+    from deft_compile.tools.provenance import provenance
+
+    payload = {"provenance": provenance(),
+               "command": "deft-compile bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
                "config": {k: v for k, v in vars(args).items() if k != "func"},
                "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "load_avg": os.getloadavg()},
                "wall_s": elapsed, "interrupted": interrupted, "runs": runs}

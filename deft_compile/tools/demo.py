@@ -141,7 +141,9 @@ def run_demo(steps: int = 40, batch: int | None = None, *, bandwidth: str | None
         extra = (f": {share['steps']} step(s), {share['step_ms']:.1f} ms, {share['wait_tensor_ms']:.1f} ms in wait_tensor"
                  if share else "")
         print(f"timeline (deft measured with torch.profiler on rank 0){extra}: {measured_png}")
-    record = {k: v for k, v in run.items() if k not in ("profiles",)}
+    from deft_compile.tools.provenance import provenance
+
+    record = {"provenance": provenance(), **{k: v for k, v in run.items() if k not in ("profiles",)}}
     record["network_note"] = note
     record["table"] = [asdict(r) for r in demo_rows(run)]
     (out / "results.json").write_text(json.dumps(record, indent=1))

@@ -219,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"artifacts: {args.dump}/<policy>/plan.txt, plan.json, profile.json, timeline_simulated.json "
               f"(open in https://ui.perfetto.dev), timeline_simulated.png")
     if args.json is not None:
-        payload = {"model": preset.name, "batch": batch, "world_size": args.world_size,
+        from deft_compile.tools.provenance import provenance
+
+        payload = {"provenance": provenance(), "model": preset.name, "batch": batch, "world_size": args.world_size,
                    "bandwidth_gbps": args.bandwidth, "alpha_ms": args.alpha_ms, "link_modelled": True,
                    "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms,
                    "update_ms": profile.update_ms, "gradient_bytes": profile.total_bytes,

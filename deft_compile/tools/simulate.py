@@ -134,7 +134,10 @@ def run(args: argparse.Namespace) -> int:
                                trace_dir=args.trace_dir)
     print(format_table(profile, results))
     if args.json is not None:
-        payload = {"model": args.model, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
+        from deft_compile.tools.provenance import provenance
+
+        payload = {"provenance": provenance(),
+                   "model": args.model, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                    "bandwidth_gbps": args.bandwidth, "intra_bandwidth_gbps": args.intra_bandwidth,
                    "efficiency": args.efficiency, "profile": model_summary(profile),
                    "links": [l.to_dict() for l in profile.links],
