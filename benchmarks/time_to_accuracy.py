@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def write_docs(docs: Path, records: list[dict]) -> None:
     """The results section of ``docs``: the overview of every set, then one section per workload and rate."""
-    from tta import OVERVIEW_NOTE, overview_table, results_section, write_docs_section
+    from tta import OVERVIEW_NOTE, measured_lines, overview_table, results_section, write_docs_section
 
-    sections = [overview_table(records), "", OVERVIEW_NOTE, ""]
+    sections = [*measured_lines(records), overview_table(records), "", OVERVIEW_NOTE, ""]
     for record in records:
         measured, target = record.get("coverage_rate"), record.get("coverage_target")
         sections += [f"### {record['config']['workload']} {record['config']['size']}, DDP's coverage rate "
@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
         records = [json.loads(gzip.decompress(Path(path).read_bytes()) if path.endswith(".gz") else Path(path).read_text())
                    for path in args.render]
+        for record, path in zip(records, args.render):  # the docs' provenance lines name the file read
+            record["results_file"] = path
         for record in records:  # the summary as this code computes it, from the saved runs
             if record.get("runs"):
                 runs = {int(seed): value for seed, value in record["runs"].items()}

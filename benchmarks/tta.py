@@ -891,7 +891,7 @@ def results_section(record: dict[str, Any], docs_dir: Path | None = None) -> str
              f"{'on' if meta.get('emulate_accelerator') else 'off'}. Network: {record['network']}; coverage rate of DDP (all-reduce of all gradients / no-communication "
              f"step) {_fmt(record.get('coverage_rate'), '{:.2f}', 'not measured')}"
              + (f" (target {record['coverage_target']:g})" if record.get("coverage_target") else "") + ".",
-             "", markdown_table(summary), "", TABLE_NOTE, ""]
+             "", *measured_lines([record]), markdown_table(summary), "", TABLE_NOTE, ""]
     targets = summary.get("targets")
     if targets:
         lines.append(f"Targets for `deft`: speed-up >= {targets['speedup_target']}x in every seed: "
@@ -911,6 +911,16 @@ def results_section(record: dict[str, Any], docs_dir: Path | None = None) -> str
         rel = os.path.relpath(png, docs_dir) if docs_dir is not None else png
         lines.append(f"![{Path(png).stem}]({rel})")
     return "\n".join(lines)
+
+
+def measured_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The lines a table of these records' numbers carries right above it (``deft_compile.tools.provenance``): one
+    per results file, then a blank line; none for records without provenance or a results file."""
+    from deft_compile.tools.provenance import measured_line
+
+    lines = [measured_line(r["provenance"], r["results_file"]) for r in records
+             if r.get("provenance") and r.get("results_file")]
+    return lines + [""] if lines else []
 
 
 def overview_table(records: Sequence[dict[str, Any]]) -> str:
@@ -1017,7 +1027,7 @@ def run_benchmark(cfg: TTAConfig, seeds: Sequence[int], *, bandwidth: str | None
         description = net["description"]
     summary = summarise(runs, coverage=target)
     first = runs[min(runs)]
-    from deft_compile.tools.provenance import provenance
+    from deft_compile.tools.provenance import provenance, relative_path
 
     record: dict[str, Any] = {
         "provenance": provenance(command=command or "python benchmarks/time_to_accuracy.py"),
@@ -1039,6 +1049,7 @@ def run_benchmark(cfg: TTAConfig, seeds: Sequence[int], *, bandwidth: str | None
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(record, indent=1))
+        record["results_file"] = relative_path(json_path)  # where the docs' provenance line points (not saved)
         log(f"results: {json_path}")
     log(markdown_table(summary))
     if docs_path:
