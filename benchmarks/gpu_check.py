@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Check deft_compile on one CUDA device in one short run; with ``--device cpu``, the same paths as a quick smoke.
 
-    timeout 540 python benchmarks/gpu_check.py --device cuda --quick --out gpu_check_out   # one H100/H200, <= 8 min
+    timeout 510 python benchmarks/gpu_check.py --device cuda --quick --out gpu_check_out   # one H100/H200, <= 8 min
     python benchmarks/gpu_check.py --device cpu --out /tmp/gpu_check                      # CPU smoke (tiny models), CI
 
 Each part runs in its own process (a CUDA error or a hang stays in its part) with its own time budget, and the
@@ -940,7 +940,7 @@ def part_two_ranks(device, tiny: bool, checks: Checks, timeout_s: float) -> None
 # -- (d) overlap on the device ---------------------------------------------------------------------------------
 
 
-def part_overlap(device, tiny: bool, checks: Checks, out_dir: Path) -> None:
+def part_overlap(device, tiny: bool, checks: Checks, out_dir: Path, commit: str | None = None) -> None:
     torch = _torch()
     import emulated_link as el
 
@@ -1040,9 +1040,7 @@ def part_overlap(device, tiny: bool, checks: Checks, out_dir: Path) -> None:
         else:
             checks.data[policy] = {"measured_ms": measured, "predicted_ms": predicted}
     if trace_events:
-        from deft_compile.tools.provenance import provenance
-
-        trace = {"provenance": provenance(), "traceEvents": trace_events}
+        trace = {"provenance": run_provenance(commit), "traceEvents": trace_events}
         (out_dir / "overlap_trace.json").write_text(json.dumps(trace))
 
 
@@ -1086,7 +1084,7 @@ def run_part(name: str, args: argparse.Namespace) -> dict[str, Any]:
         elif name == "two_ranks":
             part_two_ranks(device, tiny, checks, timeout_s=max(30.0, (args.part_timeout or 120.0) - 15.0))
         elif name == "overlap":
-            part_overlap(device, tiny, checks, out_dir)
+            part_overlap(device, tiny, checks, out_dir, args.commit)
         else:
             raise ValueError(f"unknown part {name!r}")
     except Exception:  # noqa: BLE001 - the failure is this part's result
@@ -1125,6 +1123,20 @@ def _nvidia_driver() -> str | None:
         return None
 
 
+def run_provenance(commit: str | None) -> dict[str, Any]:
+    """The run's provenance (``deft_compile.tools.provenance``). Where the checkout has no git (a lent machine's copy
+    of the tree), ``commit`` given on the command line is the commit, and ``recovered`` says so: whether the tree
+    was clean is then not known."""
+    from deft_compile.tools.provenance import provenance
+
+    record = provenance()
+    if record.get("commit") is None and commit:
+        record.update(commit=commit, clean=None, changed=None,
+                      recovered="commit given on the command line (--commit): the tree the run read has no git, "
+                                "so whether it was clean is not known")
+    return record
+
+
 def print_table(report: dict[str, Any]) -> None:
     print(f"\n== gpu_check on {report['environment'].get('gpu', report['device'])} "
           f"(torch {report['environment']['torch']}, commit {str(report['provenance'].get('commit'))[:10]}) ==")
@@ -1143,7 +1155,7 @@ def _run_child(name: str, args: argparse.Namespace, timeout: float, out_dir: Pat
     """One part in its own process, cut at ``timeout`` (a faulthandler dump of every thread 5 s before)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--device", args.device,
                "--out", str(out_dir), "--part-timeout", f"{timeout:.0f}"]
-    for flag, value in (("--models", args.models), ("--compiler", args.compiler),
+    for flag, value in (("--models", args.models), ("--compiler", args.compiler), ("--commit", args.commit),
                         ("--compile-backend", args.compile_backend), ("--accuracy-compiler", args.accuracy_compiler),
                         ("--accuracy-steps", args.accuracy_steps)):
         if value:
@@ -1186,11 +1198,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accuracy-compiler", default=None, help="deft_compile's compiler in the accuracy part")
     parser.add_argument("--accuracy-steps", type=int, default=None,
                         help="training steps of the accuracy part (default 200 on CUDA, 20 in the CPU smoke)")
+    parser.add_argument("--commit", default=None,
+                        help="the commit the tree is, recorded where the checkout has no git (a lent machine's copy)")
     parser.add_argument("--part-budget-s", type=float, default=None,
                         help="every part's budget in seconds, in place of its own (a longer accuracy run)")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # run one part in this process
     parser.add_argument("--part-timeout", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    run_started = time.monotonic()  # the run's budget counts from here, the driver's own set-up included
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.budget_s is None:
@@ -1213,12 +1228,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in PARTS]
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}; the parts: {', '.join(PARTS)}")
-    from deft_compile.tools.provenance import provenance
-
-    report = {"provenance": provenance(), "device": args.device, "quick": args.quick, "budget_s": args.budget_s,
-              "environment": environment(), "parts": []}
+    report = {"provenance": run_provenance(args.commit), "device": args.device, "quick": args.quick,
+              "budget_s": args.budget_s, "environment": environment(), "parts": []}
     results_path = out_dir / "gpu_check.json"
-    run_started = time.monotonic()
     deadline = run_started + args.budget_s
     for name in names:
         budget = args.part_budget_s or part_budget(name, args.device, args.quick)
