@@ -296,9 +296,12 @@ def relative_gaps(losses: list[float], reference: list[float]) -> list[float]:
 
 
 def loss_check(checks: Checks, name: str, gaps: list[float], floor: float, per_step_plan: list[str]) -> None:
-    """Each training loss of the first steps within ``LOSS_BOUND`` of eager's (relative)."""
-    worst = max(range(len(gaps)), key=gaps.__getitem__)
-    first = next((t for t, g in enumerate(gaps) if g > LOSS_BOUND), None)
+    """Each training loss of the first steps within ``LOSS_BOUND`` of eager's (relative); a loss that is not finite
+    is over it."""
+    over = [t for t, g in enumerate(gaps) if not g <= LOSS_BOUND]
+    first = over[0] if over else None
+    worst = first if first is not None and not math.isfinite(gaps[first]) else max(range(len(gaps)),
+                                                                                    key=gaps.__getitem__)
     checks.add(f"{name}: training loss vs eager, each of the first {len(gaps)} steps", first is None,
                {"worst_relative_gap": gaps[worst], "at_step": worst, "plan_then": per_step_plan[worst],
                 "first_step_over_bound": first, "plan_at_first": None if first is None else per_step_plan[first],
@@ -354,8 +357,9 @@ def part_accuracy(device, tiny: bool, checks: Checks, out_dir: Path, compiler: s
     for label, nudge in (("ulp_up", math.inf), ("ulp_down", -math.inf)):
         model = build(nudge)
         losses, _ = eager_losses(model, optimizer_of(model), batches[:tracked], autocast)
-        floors[label] = max(relative_gaps(losses, reference[:tracked]))
-    floor = max(floors.values())
+        gaps = relative_gaps(losses, reference[:tracked])
+        floors[label] = max(gaps) if all(math.isfinite(g) for g in gaps) else math.nan
+    floor = max(floors.values()) if all(math.isfinite(f) for f in floors.values()) else math.nan
     checks.data["floor"] = floors
     checks.add(f"round-off floor: eager from weights one ulp away, first {tracked} steps", floor <= LOSS_BOUND,
                floors, f"<= {LOSS_BOUND:.4g} (else the bound cannot tell a defect from round-off)")
