@@ -243,3 +243,66 @@ def test_compensated_delayed_update_matches_its_reference_and_keeps_replicas_ide
                                                        (case, STEPS, "deft", 0.9), timeout_s=240)]
         assert any(not torch.equal(tensor, averaged[0]["final_params"][name])
                    for name, tensor in per_rank[0]["final_params"].items() if name in per_rank[0]["delayed"])
+
+
+def test_the_default_semantics_resolve_per_optimizer():
+    """``DeftConfig()`` asks for ``delayed_update="auto"``: compensated where the optimizer is covered (SGD with
+    momentum and no dampening in every group, Adam, AdamW), plain averaged delays otherwise, never a refusal;
+    ``step.delayed_update`` reports what the step runs, and an explicit setting is kept (an explicit
+    ``"compensated"`` on an optimizer it does not cover is refused)."""
+    from deft_compile import DeftConfig, deft_compile
+    from deft_compile.errors import DeftError
+    from deft_compile.step.compensation import resolve_delayed_update
+
+    assert DeftConfig().delayed_update == "auto"
+    model = torch.nn.Linear(4, 2)
+    two_groups = [{"params": [model.weight], "momentum": 0.9}, {"params": [model.bias], "momentum": 0.0}]
+    expected = {
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9): "compensated",
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True): "compensated",
+        torch.optim.Adam(model.parameters()): "compensated",
+        torch.optim.AdamW(model.parameters()): "compensated",
+        torch.optim.SGD(model.parameters(), lr=0.1): "averaged",
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1): "averaged",
+        torch.optim.SGD(two_groups, lr=0.1): "averaged",
+        torch.optim.RMSprop(model.parameters()): "averaged",
+        torch.optim.Adagrad(model.parameters()): "averaged",
+    }
+    for optimizer, semantics in expected.items():
+        assert resolve_delayed_update("auto", optimizer) == semantics, type(optimizer).__name__
+        assert resolve_delayed_update("averaged", optimizer) == "averaged"
+        assert resolve_delayed_update("local", optimizer) == "local"
+    with pytest.raises(DeftError, match="delayed_update='compensated'"):
+        resolve_delayed_update("compensated", torch.optim.RMSprop(model.parameters()))
+    for optimizer, semantics in (((torch.optim.AdamW(model.parameters())), "compensated"),
+                                 (torch.optim.RMSprop(model.parameters()), "averaged")):
+        step = deft_compile(model, optimizer, torch.nn.functional.mse_loss, policy="deft")
+        assert step.delayed_update == semantics == step.config.delayed_update
+    with pytest.raises(DeftError, match="delayed_update='compensated'"):
+        deft_compile(model, torch.optim.Adagrad(model.parameters()), torch.nn.functional.mse_loss,
+                     config=DeftConfig(delayed_update="compensated"))
+
+
+@pytest.mark.parametrize("compiler", ["aten", "inductor"])
+def test_the_default_semantics_follow_their_eager_references_on_both_routes(compiler):
+    """With ``DeftConfig()``'s semantics a covered optimizer (SGD with momentum: bit-identical on the aten route) runs
+    compensated delays and an uncovered one (RMSprop) plain averaged delays: each follows the eager reference of
+    the semantics it resolved to, every step and after flush, with a plan that delays buckets. On the aten route
+    the default run is bit-identical to an explicit ``"compensated"`` (SGD) and ``"averaged"`` (RMSprop) run."""
+    from delayed_workers import default_semantics_run
+
+    timeout = {"timeout_s": 500, "collective_timeout_s": 240} if compiler == "inductor" else {"timeout_s": 240}
+    for case, explicit in (("frozen_unused_sgd", "compensated"), ("mlp_dropout_rmsprop", "averaged")):
+        default = [r.value for r in run_local_workers(default_semantics_run, 2, (case, STEPS, "auto", compiler),
+                                                      **timeout)]
+        exact = case == "frozen_unused_sgd" and compiler == "aten"
+        for rank, report in enumerate(default):
+            assert report["delayed"], f"{case}: the plan delays some buckets"
+            _check_run(report, exact, f"{case} {compiler} rank {rank}")
+            if compiler == "inductor":
+                assert all(entry["compiler"] == "inductor" for entry in report["lowering_history"])
+        if compiler == "aten":
+            chosen = [r.value for r in run_local_workers(default_semantics_run, 2, (case, STEPS, explicit, compiler),
+                                                         **timeout)]
+            for name, tensor in default[0]["final_params"].items():
+                assert torch.equal(tensor, chosen[0]["final_params"][name]), f"{case}: auto is not {explicit} in {name}"

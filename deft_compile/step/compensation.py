@@ -1,5 +1,11 @@
-"""Which delayed parameters a compensated plan corrects, with their optimizer's hyper-parameters
-(``DeftConfig(delayed_update="compensated")``; the rewrite itself is ``deft_compile.passes.compensation``)."""
+"""Which delayed semantics a step runs, and which delayed parameters a compensated plan corrects, with their
+optimizer's hyper-parameters (the rewrite itself is ``deft_compile.passes.compensation``).
+
+``DeftConfig.delayed_update="auto"`` (the default) resolves per optimizer (``resolve_delayed_update``):
+``"compensated"`` where the compensation covers the optimizer (SGD with momentum and no dampening in every param
+group, Adam, AdamW), ``"averaged"`` otherwise (plain delays, which the Preserver admits only where a paired replay
+measures them harmless; docs/POLICIES.md). An explicit ``"compensated"`` on an optimizer it does not cover is
+refused."""
 
 from __future__ import annotations
 
@@ -13,17 +19,38 @@ from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
 from deft_compile.step.optim_support import lr_is_input
 
 
-def family_of(optimizer: torch.optim.Optimizer) -> str:
-    """``"sgd"`` (momentum, no dampening) or ``"adam"`` (Adam, AdamW); anything else cannot be compensated."""
+def compensation_family(optimizer: torch.optim.Optimizer) -> str | None:
+    """``"sgd"`` (momentum > 0, no dampening, in every param group), ``"adam"`` (Adam, AdamW), or None: an
+    optimizer the compensation does not cover."""
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return "adam"
-    if isinstance(optimizer, torch.optim.SGD):
-        if any(group["momentum"] == 0 or group["dampening"] != 0 for group in optimizer.param_groups):
-            raise DeftError("delayed_update='compensated' needs SGD with momentum > 0 and no dampening in every param "
-                            "group (the correction is the Nesterov form of the momentum)")
+    if isinstance(optimizer, torch.optim.SGD) and all(group["momentum"] != 0 and group["dampening"] == 0
+                                                      for group in optimizer.param_groups):
         return "sgd"
+    return None
+
+
+def family_of(optimizer: torch.optim.Optimizer) -> str:
+    """The compensation family of ``optimizer``; ``DeftError`` where the compensation does not cover it."""
+    family = compensation_family(optimizer)
+    if family is not None:
+        return family
+    if isinstance(optimizer, torch.optim.SGD):
+        raise DeftError("delayed_update='compensated' needs SGD with momentum > 0 and no dampening in every param "
+                        "group (the correction is the Nesterov form of the momentum)")
     raise DeftError(f"delayed_update='compensated' supports SGD with momentum, Adam and AdamW; got "
-                    f"{type(optimizer).__name__} (use delayed_update='averaged')")
+                    f"{type(optimizer).__name__} (use delayed_update='averaged' or 'auto')")
+
+
+def resolve_delayed_update(setting: str, optimizer: torch.optim.Optimizer) -> str:
+    """The semantics a step with ``DeftConfig.delayed_update=setting`` runs: ``"auto"`` gives ``"compensated"``
+    where ``compensation_family`` covers the optimizer and ``"averaged"`` otherwise; an explicit setting is kept
+    (``"compensated"`` on an optimizer it does not cover raises ``DeftError``)."""
+    if setting == "auto":
+        return "compensated" if compensation_family(optimizer) is not None else "averaged"
+    if setting == "compensated":
+        family_of(optimizer)
+    return setting
 
 
 def compensation_for(items: Sequence[ScheduledItem], optimizer: torch.optim.Optimizer,
