@@ -88,6 +88,10 @@ class DeftConfig(BucketSizes):
             moment, with the forward and backward at the weights the pending update is about to give (SGD with
             momentum, Adam, AdamW; ``deft_compile.passes.compensation``, docs/POLICIES.md). ``"averaged"``
             until a compensated run measures a time-to-accuracy gain.
+        dynamic_shapes: once an input dimension has changed size, capture the step with that dimension symbolic,
+            so every later size reuses one capture and its compiled regions (``deft_compile.step.symbolic``);
+            False: every new input shape is traced and compiled on its own. On because dynamic padding, a short
+            last batch and evaluation at another batch size would otherwise compile once per shape.
         contention: the measured profile's ``Profile.contention``, the share of a collective's time that slows
             compute beside it (docs/PLANNER.md): a number in [0, 1], or None to measure it on the first step; a
             profile you give keeps its own, and the closed loop's refinement replaces it. 0, an accelerator's,
@@ -113,6 +117,7 @@ class DeftConfig(BucketSizes):
     compiler: str = field(default_factory=default_compiler)
     delayed_update: str = "averaged"
     contention: float | None = 0.0
+    dynamic_shapes: bool = True
 
     def __post_init__(self) -> None:
         if self.delayed_update not in DELAYED_UPDATES:

@@ -32,6 +32,6 @@ if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
 
     launcher.use_forkserver([
         "workers", "loop_workers", "inductor_workers", "backend_workers", "integration_workers", "trainer_workers",
-        "hf_models", "models", "transformers", "deft_compile.integrations.transformers", "deft_compile.tools.bench",
+        "hf_models", "models", "shape_workers", "shapes", "transformers", "deft_compile.integrations.transformers", "deft_compile.tools.bench",
         "deft_compile.tools.demo", "tta",
     ])

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import itertools
 import linecache
 import os
 from dataclasses import dataclass, field
@@ -40,8 +41,15 @@ from deft_compile.outputs import loss_of
 from deft_compile.ir.layout import GraphLayout
 from deft_compile.step.optim_support import lr_inputs, traceable_optimizer
 from deft_compile.step.recompute_check import check_no_random_after_forward
+from deft_compile.step.symbolic import SymbolicShapes
 
 StateSlot = tuple[int, str]  # (parameter index, optimizer-state key)
+#: ``graph_module.meta`` key of the capture a graph was copied from: what is derived from one capture's nodes
+#: (their names, shapes and baked-in constants) is never reused for another's
+CAPTURE_ID = "deft_capture_id"
+_capture_ids = itertools.count()
+#: ``graph_module.meta`` key set on graphs of a capture with symbolic input dimensions (``step/symbolic.py``)
+SYMBOLIC = "deft_symbolic"
 
 
 @dataclass
@@ -86,6 +94,8 @@ class CapturedStep:
     user_constants: list[Any]
     trainable: list[bool]
     extra_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: the symbolic dimensions of a capture traced for a family of input shapes, else None
+    symbolic: SymbolicShapes | None = None
 
     @property
     def num_params(self) -> int:
@@ -146,6 +156,7 @@ def capture_step(
     *,
     scale_loss: bool = False,
     accumulation_steps: int = 1,
+    dynamic_dims: frozenset[tuple[int, int]] = frozenset(),
 ) -> CapturedStep:
     """Trace one training step of ``model`` with ``optimizer`` on example inputs.
 
@@ -167,6 +178,10 @@ def capture_step(
     the backward seed is ``(loss / N) * scale``, as in the usual recipe
     ``scaler.scale(loss / N).backward()``, so fp16 overflows where that recipe does;
     the unscale multiplies by ``N / scale`` (the schedule pass takes the mean).
+
+    ``dynamic_dims`` (pairs of user-tensor index and dimension) are traced as symbols: the graph then serves every
+    size of those dimensions its guards admit (``SymbolicShapes``); everything else, parameters and state
+    included, keeps its static shape.
     """
     autocast_settings = ambient_autocast()
     model_state = ModelState.of(model)
@@ -221,15 +236,14 @@ def capture_step(
                 gradients.append(p.grad)
         return (loss.detach(), *new_state, *gradients)
 
-    example = [p.detach().requires_grad_(p.requires_grad) for p in model_state.params]
-    example += [b.detach() for b in model_state.buffers]
-    example += [optimizer.state[model_state.params[i]][key] for i, key in state_inputs]
-    example += list(user_tensors)
-    example += learning_rates
-    if scale_loss:  # values do not matter: fake tracing; the runtime passes the live scale and tracker
-        example += [torch.ones((), dtype=torch.float32), torch.zeros((), dtype=torch.int32)]
-    graph_module = _trace(step, example, tracker)
+    example, symbolic = _examples(model_state, optimizer, state_inputs, user_tensors, learning_rates, scale_loss,
+                                  dynamic_dims)
+    graph_module = _trace(step, example, tracker, symbolic=symbolic is not None)
+    if symbolic is not None:
+        graph_module = symbolic.rebase_sizes(graph_module)
+        graph_module.meta[SYMBOLIC] = True
     check_no_random_after_forward(graph_module)  # activation checkpointing with Dropout (step/recompute_check.py)
+    graph_module.meta[CAPTURE_ID] = next(_capture_ids)  # every step graph of this capture carries it
     graph_module.meta["deft_layout"] = GraphLayout(
         num_params=num_params,
         num_buffers=num_buffers,
@@ -251,7 +265,27 @@ def capture_step(
         user_constants=user_constants,
         trainable=[p.requires_grad for p in model_state.params],
         extra_state=extra_state,
+        symbolic=symbolic,
     )
+
+
+def _examples(model_state: ModelState, optimizer: torch.optim.Optimizer, state_inputs: list[StateSlot],
+              user_tensors: list[torch.Tensor], learning_rates: list[torch.Tensor], scale_loss: bool,
+              dynamic_dims: frozenset[tuple[int, int]]) -> tuple[list[Any], SymbolicShapes | None]:
+    """The trace's example inputs in graph-input order, as fake tensors of a shape environment with
+    ``dynamic_dims`` symbolic when there are any (and that environment), else the live tensors (and None)."""
+    example = [p.detach().requires_grad_(p.requires_grad) for p in model_state.params]
+    example += [b.detach() for b in model_state.buffers]
+    example += [optimizer.state[model_state.params[i]][key] for i, key in state_inputs]
+    user_start = len(example)
+    example += list(user_tensors)
+    example += learning_rates
+    if scale_loss:  # values do not matter: fake tracing; the runtime passes the live scale and tracker
+        example += [torch.ones((), dtype=torch.float32), torch.zeros((), dtype=torch.int32)]
+    if not dynamic_dims:
+        return example, None
+    symbolic = SymbolicShapes.for_inputs(example, range(user_start, user_start + len(user_tensors)), dynamic_dims)
+    return symbolic.fake_inputs, symbolic
 
 
 def _check_param_groups(optimizer: torch.optim.Optimizer, index_of: dict) -> None:
@@ -307,11 +341,13 @@ def _new_state(traced: dict, params: list[torch.Tensor], state_input_ids: set[in
     return new_state
 
 
-def _trace(step: Callable[..., tuple], example: list[torch.Tensor], tracker: "_ModuleTracker") -> fx.GraphModule:
-    """``make_fx`` of ``step`` with fake tensors; a failure names the op and module (``TraceError``)."""
+def _trace(step: Callable[..., tuple], example: list[torch.Tensor], tracker: "_ModuleTracker", *,
+           symbolic: bool = False) -> fx.GraphModule:
+    """``make_fx`` of ``step`` with fake tensors (``symbolic``: the examples are fake tensors of a shape environment,
+    some of their sizes symbols); a failure names the op and module (``TraceError``)."""
     try:
         with _compile_session(), tracker.hooks(), no_autocast():
-            return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+            return make_fx(step, tracing_mode="symbolic" if symbolic else "fake", _allow_non_fake_inputs=True)(*example)
     except (TraceError, LossError):
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the op and module named

@@ -52,7 +52,11 @@ import torch
 import torch.fx as fx
 
 from deft_compile.compilers import check_compiler
+from deft_compile.step.capture import CAPTURE_ID, SYMBOLIC
+from deft_compile.step.symbolic import is_symbolic
+from deft_compile.passes.cat_layout import pin_cat_layouts
 from deft_compile.passes.functional_collectives import functionalize_bucket_ops
+from deft_compile.passes.random_fills import draw_bernoulli_out_of_place
 from deft_compile.passes.scalars import tensorize_item_reads
 
 log = logging.getLogger("deft_compile")
@@ -73,6 +77,8 @@ PINNED_ORDER_CONFIG: dict[str, Any] = {
 #: Regions compile with AOTAutograd's cache on as well as Inductor's FX graph cache: a second launch of the same
 #: model traces and compiles nothing (on a hit no generated code is at hand; off, every region keeps its code).
 REGION_CACHES = True
+#: How many captures' region templates are kept (a capture's programs reuse its own segments only).
+_TEMPLATE_CAPTURES = 8
 #: Mark one-element values that feed whole tensors for computation once (:class:`RealizeScalars`).
 REALIZE_SCALARS = True
 #: Lower ``gelu(approximate="tanh")`` and its backward through ``sigmoid`` (:func:`decompose_tanh_gelu`).
@@ -154,7 +160,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    lowered = functionalize_bucket_ops(tensorize_item_reads(_copy(gm)))
+    lowered = functionalize_bucket_ops(tensorize_item_reads(draw_bernoulli_out_of_place(pin_cat_layouts(_copy(gm)))))
     if FAST_TANH_GELU:
         lowered = decompose_tanh_gelu(lowered)
     sources: list[str] = []
@@ -172,8 +178,9 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         return compiled
 
     # A tracing context with a shape environment, as Dynamo gives its backends: without one Inductor's
-    # FX graph cache and AOTAutograd's cache bypass the graph ("No shape env").
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    # FX graph cache and AOTAutograd's cache bypass the graph ("No shape env"). A symbolic capture's inputs bring
+    # their own: its symbols and guards are the capture's.
+    fake_mode = _symbolic_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         stack.enter_context(inductor_config.patch(PINNED_ORDER_CONFIG))
@@ -293,11 +300,22 @@ class RealizeScalars(_custom_pass_base()):  # type: ignore[misc]
         return "deft_compile.RealizeScalars.v1"
 
 
+def _symbolic_fake_mode(inputs: Sequence[Any]) -> Any:
+    """The fake mode of the symbolic fake tensors among ``inputs`` (a symbolic capture's metadata), else None."""
+    for x in inputs:
+        if is_symbolic(x):
+            return x.fake_mode
+    return None
+
+
 def _fake_like(fake_mode: Any, x: Any) -> Any:
-    """A static-shape fake tensor of ``fake_mode`` like ``x`` (real, or fake from another mode)."""
+    """A static-shape fake tensor of ``fake_mode`` like ``x`` (real, or fake from another mode); a symbolic fake
+    tensor of ``fake_mode`` itself as it is."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     if not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, FakeTensor) and x.fake_mode is fake_mode:
         return x
     if any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride())):
         raise ValueError("the graph has dynamic shapes; deft_compile lowers static-shape graphs only")
@@ -430,12 +448,6 @@ def collective_order(source_code: str) -> list[str]:
 # -- the compiled step's use ---------------------------------------------------------------------------
 
 
-def _recorded_inputs(segment: Any) -> list[Any] | None:
-    """A region's inputs as the capture recorded them (fake tensors), or None where one lacks that metadata."""
-    examples = [node.meta.get("val") for node in segment.module.graph.nodes if node.op == "placeholder"]
-    return examples if all(isinstance(value, torch.Tensor) for value in examples) else None
-
-
 class StepLowering:
     """Runs the step graphs of one ``CompiledStep`` with the configured compiler.
 
@@ -465,16 +477,18 @@ class StepLowering:
         self._lowered: "weakref.WeakKeyDictionary[fx.GraphModule, LoweredGraph]" = weakref.WeakKeyDictionary()
         self._seen: "weakref.WeakKeyDictionary[fx.GraphModule, int]" = weakref.WeakKeyDictionary()
         self._programs: "weakref.WeakKeyDictionary[fx.GraphModule, Any]" = weakref.WeakKeyDictionary()
-        self._templates: dict[tuple, Any] = {}  # region segments by node names, shared by the step's programs
+        # region segments by node names, shared by the programs of one capture (names repeat across captures, the
+        # shapes and constants they were traced with do not); the most recent captures'
+        self._templates: collections.OrderedDict[Any, dict[tuple, Any]] = collections.OrderedDict()
         self.regions = None
         self._share: tuple[int, int] | None = None  # (rank, world size) the cold compiles are split across
         self._shared: set[str] = set()  # region structure keys already dealt out
         self._dealt: "weakref.WeakSet[Any]" = weakref.WeakSet()  # programs whose new regions were dealt out
+        self._prepared: "weakref.WeakSet[Any]" = weakref.WeakSet()  # symbolic programs compiled ahead
         if compiler == "inductor":
             from deft_compile.step.regions import RegionCache
 
             self.regions = RegionCache(self._compile_region)
-        self._fallbacks: set[str] = set()  # structure keys of regions Inductor could not compile (run as aten)
         self.last: LoweredGraph | None = None  # what ran in the most recent call
         self.history: list[dict[str, Any]] = []  # one entry per Inductor compile (seconds, cache hit, fallback)
         # runs that were not a graph's steady state: a run that compiled (or, whole-graph, the first aten run of a
@@ -493,27 +507,20 @@ class StepLowering:
                 self.last = LoweredGraph(run=gm, compiler="aten")
                 return gm(*inputs)
             self.cold_runs += 1
-            lowered = lower(gm, inputs, self.compiler)
-            self._lowered[gm] = lowered
-            self.history.append(
-                {
-                    "graph": label,
-                    "compiler": lowered.compiler,
-                    "seconds": round(lowered.compile_seconds, 3),
-                    "cache_hit": lowered.cache_hit,
-                    "fallback_reason": lowered.fallback_reason,
-                }
-            )
-            if lowered.compiler == "inductor":
-                log.info(
-                    "Inductor compiled %s graph (%d nodes) in %.2f s%s",
-                    label,
-                    len(gm.graph.nodes),
-                    lowered.compile_seconds,
-                    " (FX graph cache hit)" if lowered.cache_hit else "",
-                )
+            lowered = self._lower_graph(gm, inputs, label)
         self.last = lowered
         return lowered.run(*inputs)
+
+    def _lower_graph(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str) -> LoweredGraph:
+        """Lower a whole graph (``"inductor-graph"``) for ``inputs`` (real, or a symbolic capture's fake ones)."""
+        lowered = lower(gm, inputs, self.compiler)
+        self._lowered[gm] = lowered
+        self.history.append({"graph": label, "compiler": lowered.compiler, "seconds": round(lowered.compile_seconds, 3),
+                             "cache_hit": lowered.cache_hit, "fallback_reason": lowered.fallback_reason})
+        if lowered.compiler == "inductor":
+            log.info("Inductor compiled %s graph (%d nodes) in %.2f s%s", label, len(gm.graph.nodes),
+                     lowered.compile_seconds, " (FX graph cache hit)" if lowered.cache_hit else "")
+        return lowered
 
     # -- regions ----------------------------------------------------------------------------------------------
     def program(self, gm: fx.GraphModule) -> Any:
@@ -522,8 +529,13 @@ class StepLowering:
 
         program = self._programs.get(gm)
         if program is None:
+            capture = gm.meta.get(CAPTURE_ID)
+            templates = self._templates.setdefault(capture, {})
+            self._templates.move_to_end(capture)
+            while len(self._templates) > _TEMPLATE_CAPTURES:
+                self._templates.popitem(last=False)
             with lazy_graph_modules():
-                program = self._programs[gm] = RegionalProgram(gm, self._templates)
+                program = self._programs[gm] = RegionalProgram(gm, templates)
         return program
 
     def share_compiles(self, rank: int, world_size: int) -> None:
@@ -539,13 +551,42 @@ class StepLowering:
         rank, world_size = self._share
         new = []
         for segment in program.segments:
-            if segment.is_region and segment.key not in self._shared:
-                self._shared.add(segment.key)
+            identity = self.regions.identity(segment) if segment.is_region else None
+            if segment.is_region and identity not in self._shared:
+                self._shared.add(identity)
                 new.append(segment)
         for segment in new[rank::world_size]:
-            examples = _recorded_inputs(segment)
-            if examples is not None:
-                self.regions.get(segment, examples)
+            self._compile_ahead(segment)
+
+    def _compile_ahead(self, segment: Any) -> None:
+        """Compile a region from the input metadata the capture recorded, if it has it."""
+        from deft_compile.step.regions import recorded_inputs
+        from deft_compile.step.symbolic import is_symbolic
+
+        examples = recorded_inputs(segment)
+        if examples is None:
+            return
+        if any(is_symbolic(e) for e in examples):
+            self.regions.precompile(segment, examples)
+        else:
+            self.regions.get(segment, examples)
+
+    def prepare(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> None:
+        """Compile now what the first run of a graph of a symbolic capture would compile (every region, or the whole
+        graph), so that the guards Inductor adds to the capture's shape environment are known before it runs."""
+        if not gm.meta.get(SYMBOLIC):
+            return
+        if self.regions is not None:
+            program = self.program(gm)
+            if program not in self._prepared:
+                self._prepared.add(program)
+                for segment in program.segments:
+                    if segment.is_region:
+                        self._compile_ahead(segment)
+        elif self.compiler == "inductor-graph" and gm not in self._lowered:
+            examples = [node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"]
+            examples = [e if is_symbolic(e) else x for e, x in zip(examples, inputs)]
+            self._lower_graph(gm, examples, "step")
 
     def _run_regions(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str) -> Sequence[Any]:
         program = self.program(gm)
@@ -567,22 +608,26 @@ class StepLowering:
             log.info("Inductor compiled %d region(s) of the %s graph in %.2f s (%d regions compiled in all)",
                      len(new), label, sum(entry["seconds"] for entry in new), len(self.regions))
         keys = {segment.key for segment in program.segments if segment.is_region}
-        lowered = any(key not in self._fallbacks for key in keys)
-        sources = [entry.get("source", "") for entry in self.history if entry.get("source") and entry["key"] in keys]
+        lowered = any(key not in self.regions.aten_keys for key in keys)
+        identities = {self.regions.identity(s) for s in program.segments if s.is_region}
+        sources = [entry.get("source", "") for entry in self.history if entry.get("source") and entry["key"] in identities]
         self.last = LoweredGraph(run=gm, compiler="inductor" if lowered else "aten", source_code="\n".join(sources),
                                  extra={"segments": len(program.segments), "regions": len(keys)})
         return outputs
 
-    def _compile_region(self, segment: Any, inputs: Sequence[Any]) -> Callable[..., Any]:
-        from deft_compile.step.regions import input_signature
+    def _compile_region(self, segment: Any, inputs: Sequence[Any], *, symbolic: bool = False,
+                        key: str | None = None) -> Callable[..., Any]:
+        """Compile one region for ``inputs`` (``symbolic``: fake inputs with symbolic sizes, used as they are);
+        ``key``: what the compile serves, if not the segment's structure alone (a flat update's optimizer form)."""
+        from deft_compile.step.regions import input_signature, recorded_inputs
 
         module = segment.module
-        examples = _recorded_inputs(segment)
-        if examples is not None and input_signature(examples) == input_signature(inputs):
+        examples = recorded_inputs(segment)
+        if not symbolic and examples is not None and input_signature(examples) == input_signature(inputs):
             # the capture's metadata, as a peer's share compiled it: the same cache key in every process
             inputs = examples
         started = time.perf_counter()
-        entry: dict[str, Any] = {"graph": "region", "region": str(segment.region), "key": segment.key,
+        entry: dict[str, Any] = {"graph": "region", "region": str(segment.region), "key": key or segment.key,
                                  "compiler": "inductor", "nodes": len(module.graph.nodes)}
         try:
             run, source, hit = compile_with_inductor(module, inputs, caches=REGION_CACHES)
@@ -592,7 +637,6 @@ class StepLowering:
             if reason not in _warned:
                 _warned.add(reason)
                 log.warning("Inductor could not compile a region of the step; it runs as aten (%s)", reason)
-            self._fallbacks.add(segment.key)
             lowered_counts["aten"] += 1
             entry.update(compiler="aten", cache_hit=None, fallback_reason=reason)
             run = module

@@ -416,9 +416,10 @@ def _scalar(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     return node.target(*args, **kwargs)
 
 
-def structure_key(graph: fx.Graph) -> str:
+def structure_key(graph: fx.Graph, hide_shape: tuple[int, ...] | None = None) -> str:
     """A digest of a graph's structure: each node's op, target and arguments (other nodes by position, constants
-    by value), not its names, so two layers of the same shape and code get one key."""
+    by value), not its names, so two layers of the same shape and code get one key. ``hide_shape``: placeholders
+    of that shape are written with ``*`` for it (``flat_updates``: one key for every parameter's update)."""
     position: dict[fx.Node, int] = {}
     lines = []
 
@@ -436,7 +437,10 @@ def structure_key(graph: fx.Graph) -> str:
         target = node.target
         if node.op == "placeholder":
             value = node.meta.get("val")
-            target = (tuple(value.shape), str(value.dtype)) if isinstance(value, torch.Tensor) else type(value).__name__
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            if shape is not None and hide_shape is not None and shape == hide_shape:
+                shape = "*"
+            target = (shape, str(value.dtype)) if isinstance(value, torch.Tensor) else type(value).__name__
         lines.append(f"{node.op}|{target}|{describe(node.args)}|{describe(dict(node.kwargs))}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
 
@@ -454,25 +458,114 @@ def input_signature(values: Sequence[Any]) -> tuple:
 
 
 class RegionCache:
-    """Compiled regions by (structure, input signature); one per compiled step, shared by all its graphs."""
+    """Compiled regions by (structure, input signature); one per compiled step, shared by all its graphs.
 
-    def __init__(self, compile_region: Callable[[Segment, Sequence[Any]], Callable[..., Any]]) -> None:
+    An element-wise update region runs flattened on one compile per optimizer form (``flat_updates``): every
+    parameter's update with the same optimizer, hyper-parameters and dtypes shares it.
+
+    A region of a symbolic capture (``step/symbolic.py``) compiles once for its symbolic input metadata, and serves
+    every call whose inputs are instances of it (``conforms``); inputs that are not (a stride the capture did not
+    record) get a compile for their own signature, as static regions do."""
+
+    def __init__(self, compile_region: Callable[..., Callable[..., Any]]) -> None:
         self._compile = compile_region
         self.compiled: dict[tuple, Callable[..., Any]] = {}
+        self._keys: dict[tuple, tuple] = {}  # (structure, concrete signature) -> the key it runs under
+        self.compiles = 0
+        self.aten_keys: set[str] = set()  # structures of regions that run as aten (Inductor failed on them)
+        self._flat_forms: dict[str, Any] = {}  # structure -> its FlatUpdate, or None
+        self._flat_compiled: dict[str, tuple] = {}  # flat key -> (compiled for 1-D inputs, its fakes, fake mode)
         self.seconds = 0.0
 
     def __len__(self) -> int:
-        return len(self.compiled)
+        """How many compiles the regions took (a flat update's one compile serves many regions)."""
+        return self.compiles
 
     def get(self, segment: Segment, inputs: Sequence[Any]) -> tuple[Callable[..., Any], bool]:
         """The compiled region for ``segment`` with these inputs, and whether it was compiled just now."""
-        key = (segment.key, input_signature(inputs))
+        concrete = (segment.key, input_signature(inputs))
+        key = self._keys.get(concrete)
+        if key is not None:
+            return self.compiled[key], False
+        compiled_before = len(self.compiled)
+        runnable = self._flat(segment, inputs)
+        if runnable is not None:
+            key = (segment.key, FLAT_SIGNATURE)
+            self.compiled.setdefault(key, runnable)
+        else:
+            from deft_compile.step.symbolic import conforms, is_symbolic
+
+            examples = recorded_inputs(segment)
+            if examples is not None and any(is_symbolic(e) for e in examples) and conforms(examples, inputs):
+                key = (segment.key, SYMBOLIC_SIGNATURE)
+                self.precompile(segment, examples)
+            else:
+                key = concrete
+                if key not in self.compiled:
+                    self._compile_now(key, segment, inputs, symbolic=False)
+        self._keys[concrete] = key
+        return self.compiled[key], len(self.compiled) > compiled_before
+
+    def identity(self, segment: Segment) -> str:
+        """What one compile of ``segment`` serves: its optimizer form's flat key for an element-wise update region,
+        else its structure (the key a compile is dealt out and recorded by)."""
+        flat = self._flat_form(segment)
+        return flat.key if flat is not None else segment.key
+
+    def _flat_form(self, segment: Segment) -> Any:
+        from deft_compile.step.flat_updates import FlatUpdate
+
+        flat = self._flat_forms.get(segment.key, False)
+        if flat is False:
+            flat = self._flat_forms[segment.key] = FlatUpdate.of(segment)
+        return flat
+
+    def _flat(self, segment: Segment, inputs: Sequence[Any]) -> Callable[..., Any] | None:
+        """The region run flattened on the one compile of its optimizer form (``flat_updates``), if it can be."""
+        from deft_compile.step.flat_updates import flat_callable
+
+        flat = self._flat_form(segment)
+        if flat is None or not flat.conforms(inputs):
+            return None
+        entry = self._flat_compiled.get(flat.key)
+        if entry is None:
+            fakes, mode = flat.fake_inputs(inputs)
+            started = time.perf_counter()
+            compiled = self._compile(segment, fakes, symbolic=True, key=flat.key)
+            self.seconds += time.perf_counter() - started
+            self.compiles += 1
+            entry = self._flat_compiled[flat.key] = (compiled, fakes, mode)
+        compiled, fakes, mode = entry
+        if not flat.admits(fakes, mode, inputs):
+            return None
+        if isinstance(compiled, fx.GraphModule):  # Inductor failed: the region's aten graph, flattened
+            self.aten_keys.add(segment.key)
+        return flat_callable(compiled, segment)
+
+    def precompile(self, segment: Segment, examples: Sequence[Any]) -> Callable[..., Any]:
+        """Compile a symbolic capture's region for its recorded (symbolic) input metadata, if not yet compiled."""
+        key = (segment.key, SYMBOLIC_SIGNATURE)
         compiled = self.compiled.get(key)
-        if compiled is not None:
-            return compiled, False
+        return compiled if compiled is not None else self._compile_now(key, segment, examples, symbolic=True)
+
+    def _compile_now(self, key: tuple, segment: Segment, inputs: Sequence[Any], *, symbolic: bool) -> Callable[..., Any]:
         started = time.perf_counter()
-        compiled = self._compile(segment, inputs)
-        seconds = time.perf_counter() - started
-        self.seconds += seconds
+        compiled = self._compile(segment, inputs, symbolic=symbolic)
+        self.seconds += time.perf_counter() - started
+        self.compiles += 1
+        if isinstance(compiled, fx.GraphModule):  # Inductor failed: the region runs its aten graph
+            self.aten_keys.add(segment.key)
         self.compiled[key] = compiled
-        return compiled, True
+        return compiled
+
+
+#: the input signature under which a symbolic region's one compile is cached
+SYMBOLIC_SIGNATURE = "symbolic"
+#: the signature of an update region run flattened on its optimizer form's one compile (``flat_updates``)
+FLAT_SIGNATURE = "flat"
+
+
+def recorded_inputs(segment: Segment) -> list[Any] | None:
+    """A region's inputs as the capture recorded them (fake tensors), or None where one lacks that metadata."""
+    examples = [node.meta.get("val") for node in segment.module.graph.nodes if node.op == "placeholder"]
+    return examples if all(isinstance(value, torch.Tensor) for value in examples) else None

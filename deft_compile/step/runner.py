@@ -40,6 +40,7 @@ from deft_compile.step.loss_scaling import LossScaler, guard_options_for
 from deft_compile.step.lowering import StepLowering, lazy_graph_modules
 from deft_compile.step.optim_support import hyperparameter_key, lr_inputs
 from deft_compile.step.pipeline import CommGroup, CompiledGraph, compile_captured
+from deft_compile.step.symbolic import ShapeFamilies
 
 log = logging.getLogger("deft_compile")
 
@@ -65,6 +66,8 @@ class StepRunner:
         # Traces by what changes the trace (not the plan): a plan switch or a new phase re-runs the passes on a
         # copy of the captured graph instead of tracing the step again (capture_key).
         self.captures: collections.OrderedDict[tuple, CapturedStep] = collections.OrderedDict()
+        self.families = ShapeFamilies()  # which input dimensions changed size (captured symbolic)
+        self._static_families: set[tuple] = set()  # families whose symbolic trace failed
         self.last_call: tuple[tuple, dict] | None = None
         self.step_count = 0
         self.trace_count = 0  # step graphs built (passes run), one per cache miss
@@ -118,7 +121,19 @@ class StepRunner:
             compiled = self.compile(key, args, kwargs, phases, flush=False)
         else:
             self.graphs.move_to_end(key)
+        if not self._admitted(compiled, user_tensors):  # Inductor's guards exclude these sizes: a static capture
+            key = self.cache_key(user_tensors, constants, spec, phases, plan, flush=False)
+            compiled = self.graphs.get(key) or self.compile(key, args, kwargs, phases, flush=False)
         return compiled, user_tensors, phases
+
+    def _admitted(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> bool:
+        """Whether a graph may run on these inputs: static, or symbolic and its guards admit them once everything
+        its first run would compile is compiled (Inductor may add guards to the capture's shape environment)."""
+        symbolic = compiled.captured.symbolic
+        if symbolic is None:
+            return True
+        self.lowering.prepare(compiled.graph_module, self.graph_inputs(compiled.layout, compiled.captured, user_tensors))
+        return symbolic.admits(user_tensors)
 
     def run_step(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor], plan: Plan | None):
         """Run the step; with a dump folder, record a measured timeline of a few steps (``DEFT_DUMP_MEASURE_STEP``)."""
@@ -187,17 +202,33 @@ class StepRunner:
         return phases
 
     def capture_key(self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any) -> tuple:
-        """Everything that changes the traced step (not what the passes do with it)."""
-        tensor_key = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in user_tensors)
+        """Everything that changes the traced step (not what the passes do with it): the shape family's key and
+        either the input shapes, or their pattern with the symbolic dimensions left out (``step/symbolic.py``):
+        a size the family's symbolic capture admits shares its key."""
+        family = self.family_key(user_tensors, constants, spec)
+        shapes = tuple(tuple(t.shape) for t in user_tensors)
+        dynamic = self.families.observe(family[:5], shapes) if self.config.dynamic_shapes else frozenset()
+        if dynamic and family not in self._static_families:
+            symbolic_key = (family, ShapeFamilies.pattern(shapes, dynamic))
+            captured = self.captures.get(symbolic_key)
+            if captured is None or captured.symbolic.admits(user_tensors):
+                return symbolic_key
+        return (family, shapes)
+
+    def family_key(self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any) -> tuple:
+        """What calls of one shape family share: everything in the capture key but the tensors' sizes. Its first
+        five entries (the inputs' kinds, the module modes, the autocast) decide which dimensions are symbolic: a
+        dimension that changed once stays symbolic when the optimizer state or a hyper-parameter changes."""
+        tensor_key = tuple((t.dim(), t.dtype, t.device, t.requires_grad) for t in user_tensors)
         modes = tuple(m.training for m in self.model.modules())
         return (
             tensor_key,
             repr(constants),
             repr(spec),
             modes,
+            ambient_autocast(),  # the forward's autocast regions are traced into the graph
             hyperparameter_key(self.optimizer),
             tuple(self.existing_state_slots()),
-            ambient_autocast(),  # the forward's autocast regions are traced into the graph
         )
 
     def cache_key(self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any, phases: dict,
@@ -219,26 +250,49 @@ class StepRunner:
         return slots
 
     def captured(self, args: tuple, kwargs: dict) -> CapturedStep:
-        """The traced step for these inputs, from the cache or a new trace. The passes get a copy
-        (``copy_for_passes``): the cached graph is never rewritten."""
+        """The traced step for these inputs, from the cache or a new trace (symbolic in the dimensions the key
+        leaves out). The passes get a copy (``copy_for_passes``): the cached graph is never rewritten."""
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
         key = self.capture_key(user_tensors, constants, spec)
         captured = self.captures.get(key)
         if captured is None:
-            self.capture_count += 1
-            captured = self.captures[key] = capture_step(
-                self.model, self.optimizer, self.loss_fn, args, kwargs, self.existing_state_slots(),
-                scale_loss=self.loss_scaler is not None, accumulation_steps=self.config.accumulation_steps,
-            )
+            family, pattern = key
+            dynamic = frozenset((i, d) for i, shape in enumerate(pattern) for d, size in enumerate(shape) if size is None)
+            captured = self._trace(args, kwargs, dynamic)
+            if dynamic and captured.symbolic is None:  # the symbolic trace failed: this family stays static
+                key = (family, tuple(tuple(t.shape) for t in user_tensors))
+                captured = self.captures.get(key) or captured
+            self.captures[key] = captured
         self.captures.move_to_end(key)
         while len(self.captures) > max(2, self.config.max_cached_graphs // 2):
-            self.captures.popitem(last=False)
+            evicted, _ = self.captures.popitem(last=False)
+            for graph_key in [k for k in self.graphs if k[0] == evicted]:  # a graph never outlives its capture's
+                del self.graphs[graph_key]                                 # guards
         return captured
+
+    def _trace(self, args: tuple, kwargs: dict, dynamic: frozenset) -> CapturedStep:
+        """A new capture; with ``dynamic`` dimensions, symbolic in them, else (or when that trace fails) static."""
+        self.capture_count += 1
+        options = dict(scale_loss=self.loss_scaler is not None, accumulation_steps=self.config.accumulation_steps)
+        if dynamic:
+            try:
+                return capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs,
+                                    self.existing_state_slots(), dynamic_dims=dynamic, **options)
+            except Exception as exc:  # noqa: BLE001 - any failure of the symbolic trace falls back to static shapes
+                user_tensors, constants, spec = split_user_inputs(args, kwargs)
+                self._static_families.add(self.family_key(user_tensors, constants, spec))
+                log.warning("the step could not be captured with input dimensions %s symbolic; every new size of "
+                            "them is captured on its own (%s: %s)", sorted(dynamic), type(exc).__name__,
+                            str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        return capture_step(self.model, self.optimizer, self.loss_fn, args, kwargs, self.existing_state_slots(),
+                            **options)
 
     def compile(self, key: tuple, args: tuple, kwargs: dict, phases: dict[int, ItemPhase], *,
                 flush: bool) -> CompiledGraph:
         started = time.perf_counter()
         captured = self.captured(args, kwargs)
+        user_tensors, constants, spec = split_user_inputs(args, kwargs)
+        key = (self.capture_key(user_tensors, constants, spec), *key[1:])  # static if the symbolic trace failed
         with lazy_graph_modules():  # the passes' and the copy's code is generated once, when it first runs
             captured = captured.copy_for_passes()
         dump_dir = self.dump_dir / f"graph_{self.trace_count:02d}" if self.dump_dir is not None else None
