@@ -78,9 +78,10 @@ STAT_NOTE = (
     "step ms = median over the interleaved blocks of each block's mean step time (a step's time is the slowest rank's;\n"
     "  a mean, so steps of an update period that communicate nothing do not hide the ones that do); median = per-step\n"
     "  median; vs floor / vs DDP = ratios of step ms in this run; paired = median over rounds of the block-mean ratio\n"
-    "  to DDP's block of the same round; exposed ms = step ms - floor's step ms; final loss = mean over ranks of the\n"
-    "  last 5 steps; sim ms = the plan simulated on its measured profile; retraced = timed steps that captured a new\n"
-    "  graph (Preserver re-plans), left out of the timing.")
+    "  to DDP's block of the same round; exposed ms = step ms - floor's step ms; loss @ N = mean over ranks of\n"
+    "  steps N-4..N, N the step count every variant reached (all draw the same batches in order; a closed loop's\n"
+    "  trials make its run longer); sim ms = the plan simulated on its measured profile; retraced = timed steps\n"
+    "  that captured a new graph (Preserver re-plans), left out of the timing.")
 
 
 # --------------------------------------------------------------------------- worker
@@ -294,7 +295,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     for step in compiled.values():
         if step.pending:
             step.flush()
-    identical, max_diff = _compare_ddp_wfbp(models)
+    identical, max_diff, max_rel = _compare_ddp_wfbp(models)
     measured = _measured_timeline(cfg, compiled, pool[0], rank)
 
     # what a user lives through: from a variant's first call, its warm-up (compiles, planning, closed-loop trials)
@@ -306,7 +307,9 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
                               "first_call_s": first_call_s,
                               "overheads": {n: {k: v for k, v in s.overheads.items() if isinstance(v, (int, float))}
                                             for n, s in compiled.items()},
-                              "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff}
+                              "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff,
+                              "max_rel_diff_ddp_wfbp": max_rel,
+                              "wfbp_compiler": compiled["wfbp"].compiler if "wfbp" in compiled else None}
     if rank == 0:
         result.update(
             params=sum(p.numel() for p in base.parameters()),
@@ -417,21 +420,24 @@ def _agree_samples(names: list[str], world_size: int, samples: dict, spans: dict
     return by_rank, block_wall
 
 
-def _compare_ddp_wfbp(models: dict[str, Any]) -> tuple[bool | None, float | None]:
-    """(identical, max |difference|) of DDP's and ``wfbp``'s trained parameters (same batches, same number of
-    steps), agreed across ranks; (None, None) unless both ran."""
+def _compare_ddp_wfbp(models: dict[str, Any]) -> tuple[bool | None, float | None, float | None]:
+    """(identical, max |difference|, max relative difference) of DDP's and ``wfbp``'s trained parameters (same
+    batches, same number of steps), agreed across ranks; the relative difference of a tensor is its largest
+    |difference| over DDP's largest |value|. (None, None, None) unless both ran."""
     import torch
     import torch.distributed as dist
 
     if "ddp" not in models or "wfbp" not in models:
-        return None, None
-    pairs = list(zip(models["ddp"].parameters(), models["wfbp"].parameters()))
+        return None, None, None
+    pairs = [(a.detach(), b.detach()) for a, b in zip(models["ddp"].parameters(), models["wfbp"].parameters())
+             if a.numel()]
     same = all(torch.equal(a, b) for a, b in pairs)
-    flags = torch.tensor([0.0 if same else 1.0,
-                          max((float((a.detach() - b.detach()).abs().max()) for a, b in pairs if a.numel()), default=0.0)],
+    differences = [float((a - b).abs().max()) for a, b in pairs]
+    relative = [d / (float(a.abs().max()) or 1.0) for d, (a, _) in zip(differences, pairs)]
+    flags = torch.tensor([0.0 if same else 1.0, max(differences, default=0.0), max(relative, default=0.0)],
                          dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return not bool(flags[0].item()), float(flags[1].item())
+    return not bool(flags[0].item()), float(flags[1].item()), float(flags[2].item())
 
 
 def _measured_timeline(cfg: dict[str, Any], compiled: dict[str, Any], batch: Any, rank: int) -> dict | None:
@@ -615,10 +621,14 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
     slower_rank = slower_rank_block_ms(value.get("samples_by_rank_ms") or {}, retraced, block)
     wall = wall_block_ms(value.get("block_wall_ms") or {}, retraced, block)
     floor, ddp = step.get("floor"), step.get("ddp")
+    # variants train different numbers of steps (a closed loop's trials lengthen its warm-up); every variant draws
+    # the same batches in the same order, so losses compare like with like at the step count all of them reached
+    equal_steps = min((len(losses) for losses in value["losses"].values()), default=0)
     rows: dict[str, dict[str, Any]] = {}
     for name, times in samples.items():
         kept = [t for b in blocks[name] for t in b]
         loss_tail = value["losses"][name][-FINAL_LOSS_STEPS:]
+        equal_tail = value["losses"][name][max(0, equal_steps - FINAL_LOSS_STEPS):equal_steps]
         paired = None
         if "ddp" in blocks and name in step:
             ratios = [statistics.fmean(a) / statistics.fmean(b) for a, b in zip(blocks[name], blocks["ddp"]) if a and b]
@@ -635,6 +645,9 @@ def analyse(value: dict[str, Any], block: int) -> dict[str, dict[str, Any]]:
             "paired_vs_ddp": paired,
             "exposed_comm_ms": step[name] - floor if floor is not None and name in step else None,
             "final_loss": statistics.fmean(loss_tail) if loss_tail else None,
+            "steps_trained": len(value["losses"][name]),
+            "equal_steps": equal_steps,
+            "loss_at_equal_steps": statistics.fmean(equal_tail) if equal_tail else None,
             "warmup_s": value["warmup_s"][name],
             # wall-clock from the variant's first call (warm-up with its compiles, planning and trials, then the timed
             # steps), and the compile and planning seconds inside it
@@ -749,6 +762,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         "steps": {"warmup": warmup, "rounds": rounds, "block": block, "timed": rounds * block},
         "retraced": value["retraced"],
         "identical_ddp_wfbp": value["identical_ddp_wfbp"], "max_abs_diff_ddp_wfbp": value["max_abs_diff_ddp_wfbp"],
+        "max_rel_diff_ddp_wfbp": value.get("max_rel_diff_ddp_wfbp"), "wfbp_compiler": value.get("wfbp_compiler"),
         "rows": rows, "samples_ms": value["samples_ms"], "samples_by_rank_ms": value.get("samples_by_rank_ms"),
         "block_wall_ms": value.get("block_wall_ms"),
         "schedule_ms": value.get("schedule_ms"),
@@ -792,7 +806,7 @@ def calibrate_rate(model: str, target: float, common: dict[str, Any], *, tries: 
 def format_table(runs: Sequence[dict[str, Any]]) -> str:
     """The results table: one line per (model, network, variant)."""
     header = (f"{'model':<12}{'network':<14}{'variant':<14}{'step ms':>9}{'median':>8}{'vs floor':>9}{'vs DDP':>8}"
-              f"{'paired':>8}{'exposed ms':>11}{'final loss':>11}{'sim ms':>8}{'retraced':>9}{'wall s':>8}"
+              f"{'paired':>8}{'exposed ms':>11}{'loss @ N':>11}{'sim ms':>8}{'retraced':>9}{'wall s':>8}"
               f"{'compile s':>10}")
     lines = [header, "-" * len(header)]
     for run in runs:
@@ -804,7 +818,7 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
             lines.append(f"{run['model']:<12}{net:<14}{name:<14}{fmt('step_ms', '{:.1f}'):>9}"
                          f"{fmt('median_ms', '{:.1f}'):>8}{fmt('vs_floor', '{:.2f}x'):>9}"
                          f"{fmt('vs_ddp', '{:.2f}x'):>8}{fmt('paired_vs_ddp', '{:.2f}x'):>8}"
-                         f"{fmt('exposed_comm_ms', '{:.1f}'):>11}{fmt('final_loss', '{:.4f}'):>11}"
+                         f"{fmt('exposed_comm_ms', '{:.1f}'):>11}{fmt('loss_at_equal_steps', '{:.4f}'):>11}"
                          f"{fmt('predicted_ms', '{:.1f}'):>8}{row.get('retraced_steps', 0):>9}"
                          f"{fmt('first_call_s', '{:.1f}'):>8}{fmt('compile_s', '{:.1f}'):>10}")
     return "\n".join(lines)

@@ -6,7 +6,8 @@ fixed linear teacher) with
 
 * ``floor``: the same compiled step with no communication (one-rank groups);
 * ``torch DDP``;
-* ``deft_compile wfbp``: DDP's schedule compiled (must give DDP's parameters bit for bit);
+* ``deft_compile wfbp``: DDP's schedule compiled: DDP's parameters bit for bit on the aten route, to float32
+  round-off on Inductor (``WFBP_BOUND``; the demo fails beyond it);
 * ``deft_compile deft``: the default policy with its default Preserver.
 
 When this machine can make network namespaces (root and iproute2's ``ip`` and
@@ -38,6 +39,10 @@ DEMO_MODEL = "mlp-teacher"
 DEMO_BANDWIDTH = "3gbit"
 LABELS = {"floor": "no-communication floor", "ddp": "torch DDP", "wfbp": "deft_compile wfbp",
           "deft": "deft_compile deft"}
+#: how far ``wfbp``'s trained parameters may be from DDP's, relative to each tensor's largest value: bit-identical
+#: when the step runs as aten; Inductor's kernels round differently from ATen's (fused multiply-adds, other
+#: summation orders), about 1e-7 per step, which the demo's few dozen SGD steps keep well under 1e-5
+WFBP_BOUND = {"aten": 0.0, "inductor": 1e-5}
 
 
 @dataclass
@@ -47,7 +52,21 @@ class DemoRow:
     mean_ms: float | None
     speedup_vs_ddp: float | None
     exposed_ms: float | None
-    final_loss: float | None
+    loss: float | None  # mean over the last 5 of the first N steps, N the count every variant reached
+
+
+def wfbp_check(run: dict[str, Any]) -> tuple[bool, str]:
+    """Whether ``wfbp``'s parameters are within the bound of its compiler from DDP's, and the line saying so."""
+    compiler = run.get("wfbp_compiler") or "aten"
+    bound = WFBP_BOUND["aten" if compiler == "aten" else "inductor"]
+    relative = run.get("max_rel_diff_ddp_wfbp")
+    if run.get("identical_ddp_wfbp") is None or relative is None:
+        return True, "torch DDP and deft_compile wfbp: not both run"
+    ok = relative <= bound
+    expect = "bit-identical" if bound == 0 else f"within {bound:g} of each tensor's largest value (float32 round-off)"
+    measured = "bit-identical" if run["identical_ddp_wfbp"] else f"largest relative difference {relative:.2g}"
+    return ok, (f"parameters of torch DDP and deft_compile wfbp ({compiler}) on every rank: {measured}; expected "
+                f"{expect}: {'ok' if ok else 'FAILED'}")
 
 
 def demo_rows(run: dict[str, Any]) -> list[DemoRow]:
@@ -55,18 +74,19 @@ def demo_rows(run: dict[str, Any]) -> list[DemoRow]:
     rows = []
     for variant, row in run["rows"].items():
         rows.append(DemoRow(LABELS.get(variant, variant), row["median_ms"], row.get("step_ms"), row.get("speedup_vs_ddp"),
-                            row.get("exposed_comm_ms"), row.get("final_loss")))
+                            row.get("exposed_comm_ms"), row.get("loss_at_equal_steps")))
     return rows
 
 
-def format_demo_table(rows: list[DemoRow]) -> str:
+def format_demo_table(rows: list[DemoRow], equal_steps: int | None = None) -> str:
+    loss_header = f"loss @ {equal_steps}" if equal_steps else "loss"
     header = (f"{'run':<24}{'median step ms':>15}{'mean step ms':>13}{'speedup vs DDP':>16}{'exposed comm ms':>17}"
-              f"{'final loss':>12}")
+              f"{loss_header:>12}")
     lines = [header, "-" * len(header)]
     for row in rows:
         speedup = f"{row.speedup_vs_ddp:.2f}x" if row.speedup_vs_ddp is not None else "-"
         exposed = "-" if row.exposed_ms is None or row.name == LABELS["floor"] else f"{row.exposed_ms:.1f}"
-        loss = f"{row.final_loss:.4f}" if row.final_loss is not None else "-"
+        loss = f"{row.loss:.4f}" if row.loss is not None else "-"
         mean = f"{row.mean_ms:.1f}" if row.mean_ms is not None else "-"
         lines.append(f"{row.name:<24}{row.median_ms:>15.1f}{mean:>13}{speedup:>16}{exposed:>17}{loss:>12}")
     return "\n".join(lines)
@@ -119,18 +139,20 @@ def run_demo(steps: int = 40, batch: int | None = None, *, bandwidth: str | None
     print(f"\nall-reduce of all gradients ({run['gradient_bytes'] / 2**20:.1f} MiB) on this network: "
           f"{run['allreduce_all_ms']:.1f} ms; floor step {run['rows']['floor']['step_ms']:.1f} ms "
           f"(coverage rate {run['coverage_rate']:.2f})\n")
-    print(format_demo_table(demo_rows(run)))
-    identical = run["identical_ddp_wfbp"]
+    equal_steps = next(iter(run["rows"].values()), {}).get("equal_steps")
+    print(format_demo_table(demo_rows(run), equal_steps))
+    ok, check_line = wfbp_check(run)
     deft_row = run["rows"].get("deft", {})
-    print(f"\nparameters of torch DDP and deft_compile wfbp identical on every rank: {identical}")
+    print(f"\n{check_line}")
     print(f"deft's plan: {deft_row.get('items')} items, {deft_row.get('delayed_items')} delayed, "
           f"max update period {deft_row.get('max_period')}; Preserver re-plans: {deft_row.get('plan_changes')}"
           + "".join(f"\n  step {h['step']}: {h['reason']}" for h in run["plan_history"].get("deft", [])[1:]))
     print(f"{run['steps']['timed']} timed steps per run in {run['steps']['rounds']} interleaved rounds; a step's time "
           "is the slower rank's.\nmean step ms = median over the rounds of the block's mean step time (deft's update "
           "period makes\n  some steps communicate nothing: the mean charges the ones that do; the median step does not);\n"
-          "speedup vs DDP and exposed comm (= mean step - floor's mean step) use the mean; final loss = mean over both\n"
-          f"  ranks of the last 5 steps. Network: {'shaped ' + rate if rate else note}. Ratios are from this run; "
+          "speedup vs DDP and exposed comm (= mean step - floor's mean step) use the mean; loss @ N = mean over both\n"
+          "  ranks of steps N-4..N, N the steps every run reached (each draws the same batches in order; deft's\n"
+          f"  closed loop trains more warm-up steps). Network: {'shaped ' + rate if rate else note}. Ratios are from this run; "
           "absolute ms depend on the machine and its load.")
     png = simulated_timeline_png(run, "deft", out / "timeline_simulated.png")
     measured_png = out / "timeline_measured.png"
@@ -148,4 +170,4 @@ def run_demo(steps: int = 40, batch: int | None = None, *, bandwidth: str | None
     record["table"] = [asdict(r) for r in demo_rows(run)]
     (out / "results.json").write_text(json.dumps(record, indent=1))
     print(f"results: {out / 'results.json'}; wall time {time.perf_counter() - started:.0f} s")
-    return 0 if identical in (True, None) else 1
+    return 0 if ok else 1
