@@ -4,7 +4,7 @@
     python benchmarks/compensated_eager.py --model cnn --optimizer sgd --lr 0.05 --steps 600 --seeds 0 1
 
 One process, no deft_compile runtime: ``tests/workers.py``'s ``PlanReference`` (the eager reference every
-semantics is tested against) trains with every parameter delayed by one update (``delayed``: DESIGN.md §4,
+semantics is tested against) trains with every parameter delayed by one update (``delayed``: docs/POLICIES.md's averaged semantics,
 w_{t+1} = U(w_t, ḡ_{t-1}); ``compensated``: the same gradient through the Nesterov form of the first moment, the
 forward and backward at the predicted weights; ``CompensatedUpdate``; ``predict-only`` and ``nesterov-only``: one
 half of it) or none (``sync``), on the same batches from

@@ -11,7 +11,7 @@ samples), from the same initial weights:
   metric: final test accuracy (and test loss) on a fixed 20 % split.
 * ``charlm``: a 2-layer character-level transformer LM on Python's own
   standard-library sources (``Lib/*.py`` of the running interpreter: offline),
-  AdamW lr 3e-3 (DESIGN.md §4's setting); metric: final validation loss on held
+  AdamW lr 3e-3; metric: final validation loss on held
   out text (the last 10 % of the corpus).
 
 Variants:

@@ -4,7 +4,7 @@
 
 One process trains the char-LM of ``benchmarks/convergence.py`` on the same global batches as the
 2-worker runs (both ranks' halves, averaged), with AdamW. ``half`` applies the *previous* step's
-gradient to the parameters deft's ``deft-delay`` plan delays (DESIGN.md §4: w_{t+1} = U(w_t, ḡ_{t-1});
+gradient to the parameters deft's ``deft-delay`` plan delays (docs/POLICIES.md, "DeFT's delayed semantics": w_{t+1} = U(w_t, ḡ_{t-1});
 no update in the first step); ``all`` does it for every parameter. Prints the final validation loss.
 Used in docs/CONVERGENCE.md §1 to show that the char-LM gap comes from the semantics, not from deft.
 """
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compensation", type=float, default=0.0,
                         help="DC-ASGD delay compensation λ: apply g + λ·g⊙g⊙(w_t − w_{t−1}) instead of the stale g "
-                             "(an experiment outside DESIGN.md §4's semantics; 0 = off)")
+                             "(an experiment outside the delayed semantics of docs/POLICIES.md; 0 = off)")
     parser.add_argument("--delayed-beta1", type=float, default=None,
                         help="AdamW β1 for the delayed parameters only (an experiment: less momentum to offset "
                              "the momentum that staleness adds); default: the same as the others (0.9)")

@@ -1,4 +1,4 @@
-"""Reproduce DESIGN.md §5 on real shaped links: how slow the links are, and what overlap and two links buy.
+"""Real shaped links (docs/LINKS.md): how slow the links are, and what overlap and two links buy.
 
     sudo python benchmarks/links.py [--size-mb 16] [--repeats 5] [--json out.json]
 

@@ -1,4 +1,4 @@
-"""DeFT's speed on real shaped links (DESIGN.md §5), measured, not simulated.
+"""DeFT's speed on real shaped links (docs/LINKS.md), measured, not simulated.
 
     sudo python benchmarks/links_speed.py [--part two-links|period|both] [--rounds 8] [--block 8] [--repeats 2] [--json docs/img/links_speed.json]
 

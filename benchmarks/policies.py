@@ -3,7 +3,7 @@
     sudo python benchmarks/policies.py [--rate 1gbit] [--rounds 3] [--block 10] [--json out.json] [--trace-dir DIR]
 
 Needs root and iproute2 (``deft_compile.tools.netns``). Two workers run inside one
-private network namespace whose ``lo`` is shaped with ``tc tbf`` (DESIGN.md §5),
+private network namespace whose ``lo`` is shaped with ``tc tbf`` (docs/LINKS.md),
 one intra-op thread each (the launcher sets it). In the same processes, in
 interleaved blocks, the same VGG-style CNN (conv stack + large fully-connected
 layers, SGD with momentum) is trained by:

@@ -1,4 +1,4 @@
-"""Steady-state timeline simulator for a Plan on a Profile (DESIGN.md §3).
+"""Steady-state timeline simulator for a Plan on a Profile (docs/PLANNER.md §2).
 
 Model, and why it is enough to rank plans:
 

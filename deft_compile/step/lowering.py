@@ -20,8 +20,7 @@ things make the two compatible:
   stay in place as on the aten path.
 
 Two changes make the lowered step cheaper on CPU without changing its numbers
-beyond float32 round-off (docs/BENCHMARKS.md, "Inductor lowering", has the
-measurements):
+beyond float32 round-off (``benchmarks/inductor_speed.py`` measures them):
 
 * :class:`RealizeScalars`: one-element values that feed whole tensors (the
   optimizer's per-parameter bias corrections and step sizes) are computed once,

@@ -776,7 +776,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
 def rate_for(gradient_bytes: int, floor_ms: float, coverage: float) -> str:
     """A first guess of the shaped rate at which all-reducing ``gradient_bytes`` over 2 workers takes
     ``coverage x floor_ms``: a 2-worker ring sends the gradient's bytes once per worker, and both workers'
-    traffic crosses the one shaped loopback qdisc (DESIGN.md §5), so twice the bytes go through it.
+    traffic crosses the one shaped loopback qdisc (docs/LINKS.md), so twice the bytes go through it.
     ``calibrate_rate`` corrects the guess with measurements."""
     mbit = 2 * gradient_bytes * 8 / (coverage * floor_ms / 1e3) / 1e6
     return f"{max(1, int(round(mbit)))}mbit"

@@ -1,4 +1,4 @@
-"""Real, slow links on one machine: network namespaces shaped with ``tc`` (DESIGN.md §5).
+"""Real, slow links on one machine: network namespaces shaped with ``tc`` (docs/LINKS.md).
 
 Communication scheduling only matters when the link is the bottleneck, and a
 simulated delay hides the effects that matter (TCP windows, contention, the

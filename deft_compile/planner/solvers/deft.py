@@ -1,6 +1,6 @@
 """DeFT: delayed updates chosen by two 0/1 knapsacks, adaptive period, several links.
 
-Algorithm (our reading of Meng & Sun, see DESIGN.md §1 and §3):
+Algorithm (our reading of Meng & Sun, see docs/PLANNER.md §3):
 
 1. Items are DDP's buckets in DDP order; they are never reordered or merged.
    With several links each bucket is cut into per-link shares sized so all
