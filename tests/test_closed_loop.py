@@ -624,3 +624,22 @@ def test_a_replan_during_the_duel_of_synchronous_plans_waits_for_its_verdict():
         assert report["state"] == "settled" and report["final_delayed"] > 0, reasons
         assert report["plan_hash"] == report["initial_plan_hash"], reasons
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
+
+
+def test_a_plan_seen_before_builds_no_graph_again():
+    """The runner keeps ``max_cached_graphs`` graphs per plan for up to four plans: switching round four plans (a plan
+    with delays, its synchronous plan, ByteScheduler's and US-Byte's), two steps and a flush each, builds every
+    graph in the first round and none after (a global cache of two graphs would build again at every switch);
+    with a fifth plan the cache stays bounded."""
+    from cache_workers import switching_run
+    from deft_compile.tools.launcher import run_local_workers
+
+    four = ("deft", "deft-sync", "bytescheduler", "usbyte")
+    for report in (r.value for r in run_local_workers(switching_run, 2, (3, four, 2), timeout_s=300)):
+        assert len(report["hashes"]) == 4
+        assert report["builds"][0] == report["builds"][1] == report["builds"][2], report["builds"]
+        assert report["cached"] <= 4 * 4, report  # max(max_cached_graphs, 2 * cycle + 2) per plan, four plans
+        assert report["captures"] <= 2, report  # switches re-run the passes, they never trace the step again
+    five = four + ("wfbp",)
+    for report in (r.value for r in run_local_workers(switching_run, 2, (2, five, 2), timeout_s=300)):
+        assert report["cached"] <= 4 * 4, report

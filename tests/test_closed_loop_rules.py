@@ -22,6 +22,7 @@ from deft_compile.planner.closed_loop import (
     duel_verdict,
     fastest_synchronous,
     is_synchronous,
+    measured_times,
     priority_schedule_for,
     trial_queue,
 )
@@ -161,9 +162,24 @@ def test_refining_from_the_threads_clocks_reproduces_the_measured_plans():
     assert fitted.min_compute > 1.0  # the step thread's CPU time bounds the fitted compute
 
 
+def test_the_preserver_reads_measured_times_and_whether_delays_lost():
+    """What the Preserver judges a plan with delays by: the agreed measured times, the synchronous plan's (the pick
+    once chosen), whether the loop has settled, and whether a plan with delays lost its duel."""
+    record = measured((BUCKETS, 60.0), (PRIORITY, 55.0), (STALE, 45.0))
+    times = measured_times(record, is_synchronous, BUCKETS.hash(), "settled", False, CONFIG)
+    assert times.plan_ms == {"buckets": 60.0, "priority": 55.0, "stale": 45.0}
+    assert times.synchronous_ms == 60.0, "the synchronous plan chosen, not merely the fastest"
+    assert times.settled and not times.synchronous_only
+    assert times.duel_steps == 2 * CONFIG.duel_rounds * (CONFIG.duel_steps + 1)
+    during = measured_times(measured((STALE, 45.0)), is_synchronous, None, "duel", True, CONFIG)
+    assert during.synchronous_ms is None and not during.settled and during.synchronous_only
+
+
 def test_the_rules_are_pure():
-    for name in ("closed_loop.py", "refine.py", "link_fit.py"):
-        tree = ast.parse((pathlib.Path(__file__).resolve().parents[1] / "deft_compile" / "planner" / name).read_text())
+    root = pathlib.Path(__file__).resolve().parents[1] / "deft_compile"
+    for name in ("planner/closed_loop.py", "planner/refine.py", "planner/link_fit.py", "preserver/decisions.py",
+                 "preserver/pricing.py", "preserver/verdict.py", "preserver/trade.py"):
+        tree = ast.parse((root / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not any(m == "torch" or m.startswith(("torch.", "deft_compile.step")) for m in imported), name

@@ -135,25 +135,30 @@ def test_config_is_validated():
         PreserverConfig(staleness_every=-1)
 
 
-def test_preserver_rescues_a_run_that_staleness_breaks():
-    """2 gloo workers, SGD with momentum at lr 0.02 on a regression MLP whose DeFT plan delays all but one
-    bucket. Synchronous training converges; with delays it diverges; with the Preserver (on by default, in
-    trade mode; and in veto mode) the staleness measurements re-plan, recorded in ``plan_history``, and the
-    run converges like the synchronous one. A plan switch re-runs the passes on the one captured graph."""
+@pytest.mark.parametrize(("delayed_update", "lr"), [("averaged", 0.02), ("compensated", 0.022)])
+def test_preserver_rescues_a_run_that_staleness_breaks(delayed_update, lr):
+    """2 gloo workers, SGD with momentum on a regression MLP whose DeFT plan delays all but one bucket, at a rate
+    where synchronous training converges and the delayed semantics diverge (plain delays at 0.02; compensated
+    ones, more stable, at 0.022). With the Preserver (on by default, in trade mode; and in veto mode) the staleness
+    measurements or the loss rules re-plan, recorded in ``plan_history``, and the run converges like the
+    synchronous one. A plan switch re-runs the passes on the one captured graph."""
     import math
 
     from deft_compile.tools.launcher import run_local_workers
-    from workers import preserver_run
+    from preserver_workers import semantics_preserver_run
 
     def run(enabled, synchronous, trade=True):
-        return run_local_workers(preserver_run, 2, (0.02, enabled, 60, 5, synchronous, trade), timeout_s=240)[0].value
+        return run_local_workers(semantics_preserver_run, 2, (lr, enabled, 60, delayed_update, synchronous, trade),
+                                 timeout_s=240)[0].value
 
     synchronous, delayed = run(False, True), run(False, False)
+    assert delayed["semantics"] == delayed_update
     assert synchronous["losses"][-1] < 1.0
     assert not math.isfinite(delayed["losses"][-1]) or delayed["losses"][-1] > 100.0
     assert len(delayed["history"]) == 1, "without the Preserver the plan never changes"
     # trade mode: the first-order prices of an instability are small, so the loss signal may act first
-    for trade, expected in ((True, ("staleness priced", "training diverges")), (False, ("staleness error",))):
+    for trade, expected in ((True, ("staleness priced", "training diverges", "plain delays measured harmful")),
+                            (False, ("staleness error",))):
         preserved = run(True, False, trade)
         assert math.isfinite(preserved["losses"][-1]) and preserved["losses"][-1] < 1.0, (trade, preserved["events"])
         reasons = [entry["reason"] for entry in preserved["history"][1:]]
@@ -172,7 +177,7 @@ def test_synchronous_start_until_the_first_trade_prices_the_delays():
     preserver = Preserver(PreserverConfig(), base_options=dict(BASE), max_period=4, mean_comm_ms=2.0,
                           prior_update_prices={"w": 1.0}, start_synchronous=True)
     assert preserver.options["max_staleness"] == 0 and "allow_period" not in preserver.options
-    preserver.adopt(({"w": 0.5}, {"w": 1.0}), priced_out=False)
+    preserver.adopt(({"w": 0.5}, {"w": 1.0}))
     assert "max_staleness" not in preserver.options and preserver.options["staleness_prices"] == {"w": 0.5}
     resumed = Preserver(PreserverConfig(), base_options=dict(BASE), max_period=4, mean_comm_ms=2.0,
                         start_synchronous=True)
@@ -190,33 +195,40 @@ def test_measured_profile_starts_synchronous_and_a_given_profile_does_not():
     from deft_compile.tools.launcher import run_local_workers
     from workers import synchronous_start_run
 
+    from preserver_workers import trade_run
+
     measured = [r.value for r in run_local_workers(synchronous_start_run, 2, (False, 2), timeout_s=240)]
     given = [r.value for r in run_local_workers(synchronous_start_run, 2, (True, 2), timeout_s=240)]
-    forced = [r.value for r in run_local_workers(synchronous_start_run, 2, (True, 27, True), timeout_s=240)]
+    # the switch horizon lifted: this tiny model builds a graph in about as long as the profile's gain repays
+    forced = [r.value for r in run_local_workers(trade_run, 2, (27, "auto", {"switch_horizon": 10 ** 6}),
+                                                 timeout_s=240)]
     for report in measured:
         assert report["resolved"] is True, report
     for report in given:
         assert report["resolved"] is False and report["initial_delayed"] > 0, report
     for report in forced:
-        assert report["initial_delayed"] == 0, report["history"]
-        assert report["traded"], report["history"]
-        assert report["max_delayed"] > 0, f"the priced trade should adopt delays on a slow link: {report['history']}"
+        assert report["delayed"][0] == 0, report["history"]
+        assert report["state"]["traded"], report["history"]
+        assert max(report["delayed"]) > 0, f"the priced trade should adopt delays on a slow link: {report['history']}"
 
 
 def test_a_trade_during_the_duel_of_the_last_trade_does_not_restart_it():
     """The closed loop duels a traded plan against the synchronous one, alternating them in 4 x 2 blocks of
-    4 steps; the next staleness measurement (step 50) falls in a synchronous block of the duel. The Preserver compares its new
-    trade with its own standing decision, not with the duel's synchronous block, so it does not re-trade the
-    same schedule, and the duel reaches a verdict."""
+    4 steps; the next staleness measurement (step 50) falls in a synchronous block of the duel. A plan with delays
+    is judged on the duel's measured times, so a measurement before its verdict decides nothing: no second trade,
+    and the duel reaches a verdict. (The switch horizon is lifted: this tiny model's measured steps are a small
+    fraction of the slow-link profile's, so its switch would not pay within 200 steps.)"""
     from deft_compile.tools.launcher import run_local_workers
-    from workers import synchronous_start_run
+    from preserver_workers import trade_run
 
-    results = [r.value for r in run_local_workers(synchronous_start_run, 2, (True, 90, True, True), timeout_s=240)]
+    results = [r.value for r in run_local_workers(trade_run, 2, (90, "auto", {"switch_horizon": 10 ** 9}, True),
+                                                  timeout_s=240)]
     for report in results:
-        history = report["history"]
+        history = [reason for _step, reason in report["history"]]
         trades = [h for h in history if h.startswith("staleness priced")]
         assert len(trades) == 1, history
         assert any("won the duel (" in h for h in history), history  # the traded plan's duel, not another
+        assert report["semantics"] == "compensated"
     assert results[0]["history"] == results[1]["history"]
 
 
@@ -286,6 +298,53 @@ def test_synchronous_replay_is_plain_training_and_leaves_the_model_alone():
     assert losses[6] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
 
 
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adam", "adamw"])
+def test_compensated_replay_follows_the_compensated_reference(optimizer_name):
+    """``replay(..., compensated=True)``: a delayed parameter's gradient at its predicted weights and its update (and
+    the final flush) in the Nesterov form of the first moment, as the compiled step runs ``delayed_update=
+    "compensated"``; against the tests' eager reference of that rule (``workers.CompensatedUpdate``) with every
+    parameter delayed one step, weight decay included. It differs from the plain delayed replay."""
+    import torch
+    import torch.nn.functional as F
+
+    from deft_compile.preserver.attribution import Snapshot, kept_batch, loss_over, replay
+    from workers import CompensatedUpdate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
+            "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)}[optimizer_name]
+    optimizer = make(model.parameters())
+    batches = []
+    for _ in range(7):
+        x = torch.randn(16, 8)
+        batches.append(kept_batch((x, x.sum(1, keepdim=True).tanh()), {}))
+    snapshot = Snapshot(model, optimizer)
+    delayed = {name: (1, 1) for name in snapshot.names}
+    compensated = replay(model, snapshot, F.mse_loss, batches, delayed, compensated=True)[len(batches)]
+    plain = replay(model, snapshot, F.mse_loss, batches, delayed)[len(batches)]
+    names = set(snapshot.names)
+    pending: dict = {}
+    for (x, y), _ in batches:  # the eager reference: the previous step's gradient, compensated
+        update = CompensatedUpdate(optimizer, model, names)
+        optimizer.zero_grad(set_to_none=True)
+        with update.predicted_weights():
+            F.mse_loss(model(x), y).backward()
+        fresh = {p: p.grad for p in model.parameters()}
+        for p in model.parameters():
+            p.grad = pending.get(p)
+        update.step()
+        pending = fresh
+    for p in model.parameters():
+        p.grad = pending[p]
+    CompensatedUpdate(optimizer, model, names).step()
+    expected = loss_over(model, Snapshot(model, optimizer), [p.detach() for p in model.parameters()], F.mse_loss,
+                         batches)
+    assert compensated == pytest.approx(expected, rel=1e-5)
+    assert abs(plain - expected) > 1e-4 * expected, "the compensated replay is not the plain one"
+
+
 def test_replay_with_delays_is_worse_where_staleness_destabilises_training():
     """Momentum SGD at a rate that synchronous training survives and one step of staleness does not."""
     import torch.nn.functional as F
@@ -301,30 +360,41 @@ def test_replay_with_delays_is_worse_where_staleness_destabilises_training():
     assert set(periodic) == {6} and periodic[6] < float("inf")
 
 
-def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_staleness_causes():
-    """2 gloo workers, a plan that delays every bucket but one, the Preserver's loss rules only. (a) From step
-    20 the targets get noisy: the window loss doubles under any schedule. The steps since the best window are
-    replayed from a copy taken there, with the delays that ran and synchronous; they end alike, so the signal
-    is dismissed and the delays stay. (b) At a learning rate where staleness makes momentum SGD diverge, the
-    replay blames the delays and the Preserver steps down to a synchronous plan, and training recovers. The
-    attribution budget is lifted: at step 20-45 a replay costs more than 5 % of the steps before it."""
+@pytest.mark.parametrize(("delayed_update", "unstable_lr"), [("averaged", 0.02), ("compensated", 0.024)])
+def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_staleness_causes(delayed_update,
+                                                                                               unstable_lr):
+    """2 gloo workers, a plan that delays every bucket but one, the Preserver's loss rules only, under each delayed
+    semantics (the replay's delayed arm runs the semantics the step runs). (a) From step 20 the targets get noisy:
+    the window loss doubles under any schedule. The steps since the best window are replayed from a copy taken
+    there, with the delays that ran and synchronous; they end alike, so the signal is dismissed and the delays
+    stay. (b) At a learning rate where staleness makes momentum SGD diverge, the replay blames the delays and the
+    Preserver steps down to a synchronous plan; after plain delays training recovers (compensated ones diverge
+    later and faster: at the step-down the weights are past saving at that rate). The attribution budget is
+    lifted: at step 20-45 a replay costs more than 5 % of the steps before it."""
     import math
 
     from deft_compile.tools.launcher import run_local_workers
-    from workers import attribution_run
+    from preserver_workers import semantics_attribution_run
 
     unlimited = {"attribution_budget": None}
-    noisy = run_local_workers(attribution_run, 2, (0.002, 40, 20, False, unlimited), timeout_s=240)[0].value
+    noisy = run_local_workers(semantics_attribution_run, 2, (0.002, 40, 20, delayed_update, unlimited),
+                              timeout_s=240)[0].value
     assert noisy["dismissed"] and "staleness did not cause it" in noisy["dismissed"][0], noisy["dismissed"]
     assert "paired replay of the" in noisy["dismissed"][0]
     assert noisy["delayed_now"] > 0 and noisy["events"] == [], noisy["events"]
     assert [entry["reason"] for entry in noisy["history"]] == ["initial plan"]
     assert noisy["overheads"]["attribution_seconds"] > 0
 
-    unstable = run_local_workers(attribution_run, 2, (0.02, 45, None, False, unlimited), timeout_s=240)[0].value
-    assert any("paired replay of the" in event for event in unstable["events"]), unstable["events"]
-    assert unstable["delayed_now"] == 0 and not unstable["dismissed"]
-    assert math.isfinite(unstable["losses"][-1]) and unstable["losses"][-1] < 2.0, unstable["losses"]
+    unstable = run_local_workers(semantics_attribution_run, 2, (unstable_lr, 45, None, delayed_update, unlimited),
+                                 timeout_s=240)[0].value
+    assert "paired replay of the" in unstable["events"][0] and "synchronous" in unstable["events"][-1], unstable["events"]
+    assert unstable["delayed_now"] == 0
+    if delayed_update == "averaged":
+        assert not unstable["dismissed"]
+        assert math.isfinite(unstable["losses"][-1]) and unstable["losses"][-1] < 2.0, unstable["losses"]
+    else:  # the rise after the step down follows synchronous steps only: dismissed, never blamed on staleness
+        assert all("no step since the best window ran" in reason or "did not cause it" in reason
+                   for reason in unstable["dismissed"]), unstable["dismissed"]
 
 
 def test_a_loss_rise_after_synchronous_steps_only_is_dismissed_without_a_replay():
@@ -391,3 +461,60 @@ def test_replay_of_a_model_that_returns_its_loss_with_keyword_inputs():
     synchronous = replay(model, snapshot, None, batches, {})[4]
     stale = replay(model, snapshot, None, batches, {"embed.weight": (1, 1)})[4]
     assert synchronous < one_step and stale < one_step, (one_step, synchronous, stale)
+
+
+def test_compensated_delays_are_proposed_once_and_kept_for_good_once_stable():
+    """The default semantics (SGD with momentum: compensated) on a slow-link profile, from a synchronous start: the
+    first priced measurement (step 25) proposes delays and switches at once; later measurements judge the running
+    plan (predicted here: no closed loop), and ``stable_after`` keeps make the decision final: probing stops and
+    the plan never changes again. A switch that cannot pay within ``switch_horizon`` steps (one step here: less
+    than its flush) is not proposed, and the decision stays open. (The horizon is lifted in the first run: the
+    profile's predicted gain is a few ms per step, while this host builds a graph in up to a second.)"""
+    from deft_compile.tools.launcher import run_local_workers
+    from preserver_workers import trade_run
+
+    # measurements at 25, 50 and 100 (their budget lifted: at 0.5 % they would be 200 steps apart)
+    results = [r.value for r in run_local_workers(trade_run, 2, (170, "auto", {"stable_after": 2, "probe_budget": 1.0,
+                                                                              "switch_horizon": 10 ** 6}),
+                                                  timeout_s=240)]
+    unpaid = [r.value for r in run_local_workers(trade_run, 2, (60, "auto", {"switch_horizon": 1}), timeout_s=240)]
+    for report in unpaid:
+        assert len(report["history"]) == 1 and max(report["delayed"]) == 0, report["history"]
+        assert report["settled"] == "" and report["probes"][:3] == [5, 10, 25]
+    for report in results:
+        assert report["semantics"] == "compensated"
+        changes = [(step, reason) for step, reason in report["history"][1:]]
+        assert len(changes) == 1 and changes[0][0] == 25 and changes[0][1].startswith("staleness priced"), changes
+        assert report["delayed"][-1] > 0 and report["settled"] == "kept", report["settled_why"]
+        probes = report["probes"]
+        assert probes == [5, 10, 25, 50, 100], probes  # two keeps after the trade, then none
+        assert report["state"]["probes"]["stopped"]
+    assert results[0]["history"] == results[1]["history"]
+
+
+@pytest.mark.parametrize(("lr", "tolerance", "admitted"), [(0.05, 0.05, True), (1.5, 0.0, False)])
+def test_plain_delays_run_only_after_a_paired_replay_finds_them_harmless(lr, tolerance, admitted):
+    """Plain averaged delays (``delayed_update="averaged"``): the trade's proposal does not switch; the step stays
+    synchronous while the next ``admission_steps`` minibatches are kept and replayed from a copy, with the delays
+    and synchronous. Where the delayed arm ends within the tolerance of the synchronous arm's lag-earlier loss
+    the delays are admitted and run; where it ends above it (a learning rate one step of staleness destabilises)
+    the decision settles synchronous for good: no delay ever runs, and probing stops."""
+    from deft_compile.tools.launcher import run_local_workers
+    from preserver_workers import trade_run
+
+    options = {"admission_steps": 10, "admission_tolerance": tolerance, "attribution_budget": None,
+               "switch_horizon": 10 ** 6}
+    results = [r.value for r in run_local_workers(trade_run, 2, (70, "averaged", options, False, lr), timeout_s=240)]
+    for report in results:
+        assert report["semantics"] == "averaged"
+        reasons = [reason for _step, reason in report["history"][1:]]
+        if admitted:
+            assert len(reasons) == 1 and "plain delays admitted: paired replay of 10 steps" in reasons[0], reasons
+            assert report["history"][1][0] > 25 and max(report["delayed"]) > 0
+        else:
+            assert reasons == [] and max(report["delayed"]) == 0, reasons
+            assert report["settled"] == "synchronous" and "plain delays not admitted" in report["settled_why"]
+            assert report["state"]["probes"]["stopped"]
+        assert report["overheads"]["attribution_seconds"] > 0, "the replay's copy and arms are counted"
+    assert results[0]["history"] == results[1]["history"]
+    assert results[0]["settled_why"] == results[1]["settled_why"]

@@ -76,15 +76,21 @@ def test_trade_mode_options_carry_prices_or_go_synchronous():
     assert prices == ({"a": pytest.approx(5.0)}, {"a": pytest.approx(10.0)})  # 10 ms x 2 x 1 / 4; 10 ms x 4 / 4
     assert "staleness_prices" not in preserver.options, "prices count once adopted"
     assert preserver.priced_options(prices)["staleness_prices"] == {"a": 5.0}
-    event = preserver.record_trade(5, prices, False, {}, "test")
+    event = preserver.record_trade(5, prices, {}, "test")
     assert preserver.options["staleness_prices"] == {"a": 5.0} and preserver.options["update_prices"] == {"a": 10.0}
     assert "<1 parameters>" in str(event)
     assert "staleness_prices" not in preserver.unpriced_options()
-    preserver.record_trade(30, prices, True, {}, "priced out")
+    kept = Preserver(PreserverConfig(staleness_window=1), base_options={"bucket_cap_bytes": 2}, max_period=4)
+    kept.load_state_dict(preserver.state_dict())
+    assert kept.settle(8, "kept", "stable", {}) is None, "a final decision that keeps the options switches nothing"
+    assert kept.options == preserver.options and kept.settled == "kept" and not kept.staleness_due(kept.probes.next_step)
+    event = preserver.settle(30, "synchronous", "back", {})
+    assert event is not None and event.reason == "back"
     assert preserver.options["max_staleness"] == 0 and "staleness_prices" not in preserver.options
+    assert preserver.probes.stopped and not preserver.staleness_due(preserver.probes.next_step)
     restored = Preserver(PreserverConfig(staleness_window=1), base_options={"bucket_cap_bytes": 2}, max_period=4)
     restored.load_state_dict(preserver.state_dict())
-    assert restored.options == preserver.options
+    assert restored.options == preserver.options and restored.settled == "synchronous" and restored.probes.stopped
 
 
 def test_trade_config_is_validated():
@@ -92,6 +98,75 @@ def test_trade_config_is_validated():
         PreserverConfig(staleness_price=-1)
     with pytest.raises(ValueError):
         PreserverConfig(probe_backoff=0)
+    with pytest.raises(ValueError):
+        PreserverConfig(stable_after=0)
+    with pytest.raises(ValueError):
+        PreserverConfig(admission_steps=1)
+    with pytest.raises(ValueError):
+        PreserverConfig(admission_tolerance=-0.1)
+
+
+def test_probes_stop_for_good_and_resume_after_a_pause():
+    probes = ProbeSchedule(every=25, backoff=8)
+    assert probes.budget == 0.005, "probes take at most 0.5 % of the step time by default"
+    probes.after_measurement(25, changed=False, probe_ms=1, step_ms=10)
+    assert probes.due(probes.next_step)
+    probes.resume(300)
+    assert probes.next_step == 300 + probes.interval
+    probes.stop()
+    assert not any(probes.due(s) for s in range(1, 2000))
+    clone = ProbeSchedule(every=25)
+    clone.load_state_dict(probes.state_dict())
+    assert clone.stopped and clone.next_step == probes.next_step
+
+
+def test_a_switch_pays_only_when_its_gain_over_the_horizon_beats_flush_graphs_and_duel():
+    from deft_compile.preserver.verdict import switch_cost_ms, switch_pays
+
+    # flush 60 ms, three graphs of 300 ms, a 40-step duel half on the plan 10 ms slower
+    cost = switch_cost_ms(60.0, 900.0, 40, 10.0)
+    assert cost == pytest.approx(60.0 + 900.0 + 200.0)
+    assert switch_pays(10.0, 200, cost) and not switch_pays(5.0, 200, cost)
+    assert not switch_pays(-1.0, 10_000, 0.0) and not switch_pays(0.0, 200, 0.0)
+
+
+def test_a_running_plan_with_delays_is_kept_on_measured_time_within_the_margin():
+    from deft_compile.preserver.verdict import keeps_delays
+
+    # measured 50 ms against 60 ms synchronous: kept until its staleness loses 1 - 50/63 of each step's progress
+    assert keeps_delays(50.0, 60.0, lost_share=0.1, margin=0.05)  # 55.6 ms priced
+    assert keeps_delays(50.0, 60.0, lost_share=0.2, margin=0.05)  # 62.5 ms priced: inside the 5 % margin
+    assert not keeps_delays(50.0, 60.0, lost_share=0.25, margin=0.05)  # 66.7 ms priced
+    assert not keeps_delays(61.0, 60.0, lost_share=0.0, margin=0.0), "measured slower loses without a margin"
+
+
+def test_plain_delays_are_admitted_only_when_the_paired_replay_shows_no_cost():
+    from deft_compile.preserver.verdict import Stability, admits_plain
+
+    assert admits_plain(1.000, 1.001, tolerance=0.0) and admits_plain(1.001, 1.001, tolerance=0.0)
+    assert not admits_plain(1.002, 1.001, tolerance=0.0) and admits_plain(1.002, 1.001, tolerance=0.005)
+    assert not admits_plain(float("inf"), 1.0, tolerance=1.0) and not admits_plain(1.0, float("nan"), tolerance=1.0)
+    stability = Stability(after=2)
+    assert not stability.confirm() and stability.confirm() and stability.stable
+    stability.reset()
+    assert not stability.stable
+
+
+def test_the_price_of_a_plan_counts_delays_periods_and_skipped_updates():
+    from deft_compile.planner.plan import LinkCost, ParamProfile, Profile
+    from deft_compile.planner.solvers import solve
+    from deft_compile.preserver.pricing import plan_price_ms, priced_cost_ms
+
+    params = [ParamProfile(f"p{i}", 1_000_000, "float32", 1.0, 1.0, 0.0, layer=7 - i) for i in range(8)]
+    profile = Profile(params, [LinkCost("l", 0.1, 1e-6)])
+    plan = solve(profile, "deft", first_bucket_bytes=4_000_000, bucket_cap_bytes=4_000_000)
+    names = [p.name for p in params]
+    staleness, updates = {n: 0.1 for n in names}, {n: 0.2 for n in names}
+    price = plan_price_ms(plan, names, staleness, updates)
+    assert price == pytest.approx(sum((i.delay + (i.period - 1) / 2) * len(i.slices) * 0.1
+                                      + (1 - 1 / i.period) * len(i.slices) * 0.2 for i in plan.items))
+    # a measured step in place of the prediction, priced the same way
+    assert priced_cost_ms(plan, names, staleness, updates, 16.0, step_ms=20.0) == pytest.approx(20.0 / (1 - price / 16.0))
 
 
 def test_priced_cost_counts_each_bucket_once_with_its_delay_and_period():

@@ -297,6 +297,37 @@ IsSynchronous = Callable[[Any], bool]
 
 
 @dataclass(frozen=True)
+class MeasuredTimes:
+    """What the closed loop has measured, for the Preserver to judge delays by (``ClosedLoop.measured_times``).
+
+    Attributes:
+        plan_ms: plan hash -> agreed measured ms (a duel's interleaved times replace sequential ones).
+        synchronous_ms: the synchronous plan's (``fastest_synchronous``), None before one is measured.
+        settled: the loop has settled (no trial or duel under way): ``plan_ms`` of the running plan is its verdict.
+        synchronous_only: a plan with delays lost to the synchronous plan on measured time.
+        duel_steps: the steps of one duel (both plans, every round, the unmeasured first steps included): what a
+            proposal that must win one runs on the slower plan, half of them.
+    """
+
+    plan_ms: dict[str, float]
+    synchronous_ms: float | None
+    settled: bool
+    synchronous_only: bool
+    duel_steps: int
+
+
+def measured_times(measured: Measured, synchronous: IsSynchronous, pick: str | None, state: str,
+                   synchronous_only: bool, config: ClosedLoopConfig) -> MeasuredTimes:
+    """The closed loop's measurements as the Preserver reads them (``MeasuredTimes``)."""
+    has_synchronous = any(synchronous(p) for p, _ in measured.values())
+    return MeasuredTimes(
+        plan_ms={h: ms for h, (_p, ms) in measured.items()},
+        synchronous_ms=fastest_synchronous(measured, synchronous, pick)[1] if has_synchronous else None,
+        settled=state == "settled", synchronous_only=synchronous_only,
+        duel_steps=2 * config.duel_rounds * (config.duel_steps + 1))
+
+
+@dataclass(frozen=True)
 class Settle:
     """Run ``plan`` from now on (measured ``ms``), because ``why``; ``extra`` goes into ``plan_history``."""
 

@@ -14,8 +14,11 @@ buffers and optimizer state before the first stale step (the synchronous steps
 before it are the same in both arms), and keeps the minibatches from there on with
 the schedule each step ran (the ``Schedule`` of every parameter the plan made stale).
 At a signal each rank replays them locally (no communication) twice from that
-copy: once with the schedules that ran (DESIGN.md §4, local gradients in place of
-averaged ones) and once synchronous. Both arms draw the same dropout masks per
+copy: once with the schedules that ran (the delayed semantics the step runs, local
+gradients in place of averaged ones: a delayed parameter applies the previous
+step's gradient; under ``delayed_update="compensated"`` it computes that gradient
+at the predicted weights and applies it in the Nesterov form of its first moment,
+as ``deft_compile.passes.compensation`` does) and once synchronous. Both arms draw the same dropout masks per
 step and end with a flush, so both applied every gradient; same start, same
 data, same optimizer, and the only difference is the staleness under suspicion.
 A stale plan trails synchronous training by its staleness even when harmless (a
@@ -39,7 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from deft_compile.preserver.staleness import seeded_loss
+from deft_compile.preserver.staleness import predicted_weights, seeded_loss
 
 #: (delay d, period K) of a parameter under the plan being judged; missing names are synchronous (0, 1)
 Schedule = dict[str, tuple[int, int]]
@@ -99,7 +102,7 @@ def _tensors(snapshot: Snapshot, params: Sequence[torch.Tensor]) -> dict[str, to
 def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., Any] | None,
            batches: Sequence[tuple[tuple, dict[str, Any]]], schedules: Sequence[Schedule] | Schedule,
            max_grad_norm: float | None = None, evaluate_after: Sequence[int] = (),
-           evaluate_on: int | None = None) -> dict[int, float]:
+           evaluate_on: int | None = None, compensated: bool = False) -> dict[int, float]:
     """Train copies of the snapshot on ``batches``, step t with ``schedules[t]``'s delays and periods (one
     ``Schedule`` for every step, or a list), flush, and return the mean loss of the final weights (key
     ``len(batches)``) and of the weights after each step count in ``evaluate_after``, over the last
@@ -109,8 +112,10 @@ def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., An
     period K it accumulates K gradients and applies their mean; parameters with nothing to apply have no
     gradient, so the optimizer leaves them and their state alone (as in the compiled step). Where the
     schedule changes, what is pending is applied first, as ``CompiledStep.switch_plan`` flushes.
-    ``max_grad_norm`` clips what each update applies, as ``DeftConfig.max_grad_norm`` does. A loss that is
-    not finite is inf.
+    ``max_grad_norm`` clips what each update applies, as ``DeftConfig.max_grad_norm`` does. ``compensated``:
+    ``delayed_update="compensated"``: a delayed parameter's gradient is taken at its predicted weights
+    (``staleness.predicted_weights``) and its update, flushes included, takes the Nesterov form of the first
+    moment (``nesterov_correction``). A loss that is not finite is inf.
     """
     schedules = [schedules] * len(batches) if isinstance(schedules, dict) else list(schedules)
     evaluated = batches[-evaluate_on:] if evaluate_on else batches
@@ -118,12 +123,20 @@ def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., An
     pending: dict[int, torch.Tensor] = {}
     accumulated: dict[int, tuple[torch.Tensor, int]] = {}
     losses: dict[int, float] = {}
+    compensate: set[int] = set()  # parameters whose pending gradient a compensated update applies
     for t, (args, kwargs) in enumerate(batches):
         if t > 0 and schedules[t] != schedules[t - 1]:
-            _flush(optimizer, params, pending, accumulated, max_grad_norm)
+            _flush(optimizer, params, pending, accumulated, max_grad_norm, compensate)
+        delayed = {i for i, name in enumerate(snapshot.names) if schedules[t].get(name, (0, 1))[0]}
+        leaves = list(params)
+        if compensated and delayed:  # forward and backward at the weights the pending update is about to give
+            for i, w in zip(sorted(delayed), predicted_weights(optimizer, [params[i] for i in sorted(delayed)])):
+                leaves[i] = w.requires_grad_(True)
         with torch.enable_grad():
-            loss = seeded_loss(model, _tensors(snapshot, params), loss_fn, args, kwargs, _REPLAY_SEED + t)
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            loss = seeded_loss(model, _tensors(snapshot, leaves), loss_fn, args, kwargs, _REPLAY_SEED + t)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        applied = set(pending) & compensate
+        compensate = delayed if compensated else set()
         for i, (name, p, g) in enumerate(zip(snapshot.names, params, grads)):
             delay, period = schedules[t].get(name, (0, 1))
             apply = pending.pop(i, None)
@@ -138,17 +151,20 @@ def replay(model: torch.nn.Module, snapshot: Snapshot, loss_fn: Callable[..., An
                 else:
                     accumulated[i] = (total, count)
             p.grad = apply
-        _update(optimizer, params, max_grad_norm)
+        _update(optimizer, params, max_grad_norm, applied)
         if t + 1 in evaluate_after and t + 1 < len(batches):
             losses[t + 1] = loss_over(model, snapshot, params, loss_fn, evaluated)
-    _flush(optimizer, params, pending, accumulated, max_grad_norm)
+    _flush(optimizer, params, pending, accumulated, max_grad_norm, compensate)
     losses[len(batches)] = loss_over(model, snapshot, params, loss_fn, evaluated)
     return losses
 
 
 def _flush(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], pending: dict[int, torch.Tensor],
-           accumulated: dict[int, tuple[torch.Tensor, int]], max_grad_norm: float | None) -> None:
-    """Apply whatever is pending or partly accumulated as one update, and forget it."""
+           accumulated: dict[int, tuple[torch.Tensor, int]], max_grad_norm: float | None,
+           compensate: set[int] = frozenset()) -> None:
+    """Apply whatever is pending or partly accumulated as one update (the pending gradients of ``compensate`` in
+    Nesterov form), and forget it."""
+    applied = set(pending) & set(compensate)
     for i, (total, count) in accumulated.items():
         pending.setdefault(i, total / count)
     accumulated.clear()
@@ -157,7 +173,7 @@ def _flush(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], pen
     for i, p in enumerate(params):
         p.grad = pending.get(i)
     pending.clear()
-    _update(optimizer, params, max_grad_norm)
+    _update(optimizer, params, max_grad_norm, applied)
 
 
 def loss_over(model: torch.nn.Module, snapshot: Snapshot, params: Sequence[torch.Tensor],
@@ -177,10 +193,42 @@ def lag_steps(schedules: Sequence[Schedule]) -> int:
                          default=0.0))
 
 
-def _update(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_grad_norm: float | None) -> None:
+def _update(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_grad_norm: float | None,
+            compensate: set[int] = frozenset()) -> None:
+    """One optimizer step on the gradients set (clipped together), the parameters ``compensate`` in Nesterov form."""
     applied = [p for p in params if p.grad is not None]
     if max_grad_norm is not None and applied:
         torch.nn.utils.clip_grad_norm_(applied, max_grad_norm)
+    corrected = [params[i] for i in sorted(compensate) if params[i].grad is not None]
+    before = {p: (p.grad.detach().clone(), p.detach().clone()) for p in corrected}
     optimizer.step()
+    with torch.no_grad():
+        for p, (gradient, weights) in before.items():
+            nesterov_correction(optimizer, p, gradient, weights)
     for p in params:
         p.grad = None
+
+
+def nesterov_correction(optimizer: torch.optim.Optimizer, p: torch.Tensor, gradient: torch.Tensor,
+                        weights: torch.Tensor) -> None:
+    """Turn the optimizer step just taken on ``p`` (``gradient`` applied at ``weights``) into the Nesterov form
+    of its first moment (``deft_compile.passes.compensation``): heavy-ball SGD ``w −= lr·v′`` becomes
+    ``w −= lr·(g + β·v′)`` (nothing to do for ``nesterov=True``); Adam and AdamW divide ``β1·m′ + (1 − β1)·g``
+    instead of ``m′``, with the same bias corrections and denominator. ``g`` is the gradient as the first moment
+    saw it (with Adam's L2 weight decay, SGD's weight decay)."""
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    state = optimizer.state[p]
+    if isinstance(optimizer, torch.optim.SGD):
+        if group["nesterov"] or not group["momentum"]:
+            return
+        g = gradient + group["weight_decay"] * weights if group["weight_decay"] else gradient
+        p.sub_(group["lr"] * (g + (group["momentum"] - 1.0) * state["momentum_buffer"]))
+        return
+    beta1, beta2 = group["betas"]
+    step = float(state["step"])
+    g = gradient
+    if not isinstance(optimizer, torch.optim.AdamW) and group["weight_decay"]:
+        g = gradient + group["weight_decay"] * weights
+    second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+    denom = (second / (1 - beta2 ** step)).sqrt() + group["eps"]
+    p.sub_(group["lr"] / (1 - beta1 ** step) * (1 - beta1) * (g - state["exp_avg"]) / denom)

@@ -13,8 +13,13 @@ every rank takes the same decision without extra agreement):
   (:mod:`deft_compile.preserver.pricing`). The prices go to the deft solver
   (``staleness_prices``), which keeps a delay or a period only where the
   communication it hides is worth more than its price: partial delays and
-  smaller periods before everything is synchronous. The plan changes only
-  when the priced schedule does; measurements are spaced out while it stays.
+  smaller periods before everything is synchronous. What the Preserver does
+  with a priced plan follows :mod:`deft_compile.preserver.verdict` (carried
+  out by :mod:`deft_compile.preserver.trade`): a proposal must pay for its
+  switch; plain (uncompensated) delays must also pass a paired replay; a plan
+  with delays is judged on the closed loop's measured times; a decision
+  confirmed ``stable_after`` times, or any decision back to synchronous, is
+  final (``settled``) and probing stops.
 * **staleness error** of each bucket (``trade=False``, the veto mode):
   ``‖g(w_{t+1}; B_t) − g(w_t; B_t)‖ / ‖g(w_t; B_t)‖`` on the *same* minibatch
   (:mod:`deft_compile.preserver.staleness`), summed over ranks, times the bucket's mean
@@ -67,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deft_compile.preserver.pricing import ProbeSchedule, StalenessPricer, progress_shares
+from deft_compile.preserver.verdict import Stability
 
 log = logging.getLogger("deft_compile")
 
@@ -112,10 +118,25 @@ class PreserverConfig:
             doubles up to ``staleness_every × probe_backoff``. 8 so measurements that change nothing stop
             costing time, while prices that move are still seen within 200 steps.
         probe_budget: trade mode: measurements never take more than this share of the training time on average
-            (their measured cost counts). 5 % caps what the guard costs the speed it guards.
-        trade_margin: a re-priced plan replaces the running one only if its predicted time plus price beats the
-            running plan's, priced the same way, by this share of the compute step time. 5 % because prices are
-            medians of noisy measurements and a switch costs a flush and new graphs.
+            (their measured cost counts). 0.5 % because measured overheads of 8-11 % of the training clock left
+            the delays nothing to gain at coverage rates 2-3.
+        trade_margin: hysteresis: a proposal with delays must gain this share of the compute step per step
+            (priced, predicted) over the synchronous plan, and a running plan with delays goes back only when its
+            measured step, priced, exceeds the measured synchronous step by this share of it. 5 % because prices
+            are medians of noisy measurements and a switch costs a flush, new graphs and a perturbation of
+            training.
+        stable_after: trade mode: consecutive measurements that leave a running plan with delays as it is
+            before that decision is final and probing stops (the loss rules and the closed loop's re-check stay
+            on). 3, the window a price is a median of.
+        switch_horizon: trade mode: the steps over which a proposal's per-step gain must repay its switch (the
+            flush, the graphs it builds, the duel's steps on the slower plan). 200, the longest interval between
+            two measurements (``staleness_every × probe_backoff``).
+        admission_steps: trade mode, plain delays (``delayed_update`` "averaged" or "local"): minibatches the
+            paired replay that admits a proposal trains on, twice (with the proposal's delays, and synchronous).
+            20 keeps a replay of both arms under twice the steps it covers.
+        admission_tolerance: the relative excess of the replay's delayed arm over its synchronous arm (its lag
+            earlier) up to which plain delays are admitted. 0: measured, a price of 1-2 ms per step hid a 3-5 %
+            final-loss cost, so plain delays must show no cost at all.
         attribute_loss: before stepping down on a finite loss signal after stale steps, replay the steps since
             the best window from a copy of the state taken there, with the schedules that ran and synchronous,
             and step down only if the stale replay ends worse; None: on when that copy takes at most
@@ -150,8 +171,12 @@ class PreserverConfig:
     trade: bool = True
     staleness_price: float = 1.0
     probe_backoff: int = 8
-    probe_budget: float = 0.05
+    probe_budget: float = 0.005
     trade_margin: float = 0.05
+    stable_after: int = 3
+    switch_horizon: int = 200
+    admission_steps: int = 20
+    admission_tolerance: float = 0.0
     start_synchronous: bool | None = None
     attribute_loss: bool | None = None
     attribution_max_steps: int = 60
@@ -175,6 +200,10 @@ class PreserverConfig:
             raise ValueError("attribution_budget must be >= 0 (or None: no limit)")
         if self.staleness_price < 0 or self.probe_budget < 0 or self.probe_backoff < 1 or self.trade_margin < 0:
             raise ValueError("staleness_price and probe_budget must be >= 0 and probe_backoff >= 1")
+        if self.stable_after < 1 or self.switch_horizon < 1 or self.admission_steps < 2:
+            raise ValueError("stable_after and switch_horizon must be at least 1, admission_steps at least 2")
+        if self.admission_tolerance < 0:
+            raise ValueError("admission_tolerance must be >= 0")
 
 
 @dataclass
@@ -217,6 +246,7 @@ class Preserver:
     level: int = 0
     prior_update_prices: dict[str, float] = field(default_factory=dict)  # trade mode, before any measurement
     start_synchronous: bool = False  # trade mode: no delays before the first priced trade (resolved config)
+    plain_delays: bool = False  # delays apply plain (uncompensated) gradients: proposals need a paired replay
 
     def __post_init__(self) -> None:
         self._errors: dict[tuple[str, ...], list[float]] = {}
@@ -231,8 +261,15 @@ class Preserver:
         self.prices: dict[str, float] = {}  # adopted staleness prices (trade mode), ms per step per step of staleness
         # adopted update prices (trade mode): ms per step that losing all of a parameter's updates costs
         self.update_prices: dict[str, float] = dict(self.prior_update_prices) if self.config.trade else {}
-        self.priced_out = False  # the trade found the delays worth less than the probes that watch them
         self.traded = False  # a staleness measurement has priced the delays (trade mode)
+        # trade mode: "" while decisions are open; "synchronous" (final: no delays, no more proposals) or "kept"
+        # (final: the running plan with delays stays), with why; probing stops once settled
+        self.settled = ""
+        self.settled_why = ""
+        self.stability = Stability(self.config.stable_after)
+        # plain delays waiting for a paired replay (preserver.trade): {"kind": "propose" (with "prices", "reason") or
+        # "confirm" (the running plan's), "schedule": {name: (delay, period)}, "metrics": {...}}
+        self.admission: dict[str, Any] | None = None
         self.dismissed: list[PreserverEvent] = []  # loss signals staleness did not cause (``attribute_loss``)
 
     # -- the ladder -----------------------------------------------------------
@@ -264,7 +301,7 @@ class Preserver:
     def options(self) -> dict[str, Any]:
         """Solver options of the current level, with the pinned parameters kept synchronous and the adopted
         staleness prices (trade mode)."""
-        if self.priced_out or (self.config.trade and self.start_synchronous and not self.traded):
+        if self.settled == "synchronous" or (self.config.trade and self.start_synchronous and not self.traded):
             return {**self.unpriced_options(), "max_staleness": 0}
         return self.priced_options((self.prices, self.update_prices))
 
@@ -288,8 +325,11 @@ class Preserver:
             "probes": self.probes.state_dict(),
             "prices": dict(self.prices),
             "update_prices": dict(self.update_prices),
-            "priced_out": self.priced_out,
             "traded": self.traded,
+            "settled": self.settled,
+            "settled_why": self.settled_why,
+            "confirmations": self.stability.confirmations,
+            "admission": self.admission,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -303,8 +343,10 @@ class Preserver:
             self.probes.load_state_dict(state["probes"])
             self.prices = {name: float(v) for name, v in state["prices"].items()}
             self.update_prices = {name: float(v) for name, v in state["update_prices"].items()}
-            self.priced_out = bool(state["priced_out"])
             self.traded = bool(state.get("traded", True))
+            self.settled, self.settled_why = str(state.get("settled", "")), str(state.get("settled_why", ""))
+            self.stability.confirmations = int(state.get("confirmations", 0))
+            self.admission = state.get("admission")
 
     @property
     def exhausted(self) -> bool:
@@ -315,7 +357,25 @@ class Preserver:
             return None
         self.level += 1
         name = self._ladder[self.level][0]
+        if self.config.trade:  # the ladder only goes down: no proposal reopens what a loss signal closed
+            self._settle("kept" if not self.exhausted else "synchronous", f"loss signal at step {step}")
         return self._record(step, f"{reason}; re-planning: {name}", metrics)
+
+    def _settle(self, state: str, why: str) -> None:
+        self.settled, self.settled_why = state, why
+        self.admission = None
+        self.probes.stop()
+
+    def settle(self, step: int, state: str, why: str, metrics: dict[str, Any]) -> PreserverEvent | None:
+        """Make the trade's decision final (``"synchronous"`` or ``"kept"``, see ``settled``); probing stops. A
+        decision that changes the solver options is recorded as an event (the caller switches plans), one that
+        does not is logged."""
+        before = self.options
+        self._settle(state, why)
+        if self.options != before:
+            return self._record(step, why, metrics)
+        log.info("Preserver at step %d: %s", step, why)
+        return None
 
     def staleness_due(self, step: int) -> bool:
         """Whether the staleness error is measured at (1-based) ``step``."""
@@ -323,7 +383,7 @@ class Preserver:
         if not every:
             return False
         if self.config.trade:
-            return self.probes.due(step)
+            return not self.settled and self.admission is None and self.probes.due(step)
         early = max(1, every // 5)
         return step % every == 0 or step in (early, 2 * early)
 
@@ -405,16 +465,17 @@ class Preserver:
                             if value})
         return options
 
-    def adopt(self, prices: tuple[dict[str, float], dict[str, float]], priced_out: bool) -> None:
-        """Take ``prices`` (and whether the delays are priced out by their own probes) as the current trade."""
+    def adopt(self, prices: tuple[dict[str, float], dict[str, float]]) -> None:
+        """Take ``prices`` as the current trade (the options the standing decision solves with)."""
         self.prices, self.update_prices = dict(prices[0]), dict(prices[1])
-        self.priced_out = priced_out
         self.traded = True
 
-    def record_trade(self, step: int, prices: tuple[dict[str, float], dict[str, float]], priced_out: bool,
-                     metrics: dict[str, Any], reason: str) -> PreserverEvent:
-        """``adopt`` and record a decision that changes the plan."""
-        self.adopt(prices, priced_out)
+    def record_trade(self, step: int, prices: tuple[dict[str, float], dict[str, float]], metrics: dict[str, Any],
+                     reason: str) -> PreserverEvent:
+        """``adopt`` and record a decision that changes the plan (a new decision: its confirmations start anew)."""
+        self.adopt(prices)
+        self.admission = None
+        self.stability.reset()
         return self._record(step, reason, metrics)
 
     # -- signals --------------------------------------------------------------

@@ -40,8 +40,9 @@ periods, or none, instead of all-or-nothing pins.
 
 Measurements cost two eager forward/backward passes. ``ProbeSchedule`` spaces
 them out while decisions are stable (the interval doubles up to a limit, and
-never lets probes take more than ``probe_budget`` of the step time), and goes
-back to the base interval after a decision changes the plan.
+never lets probes take more than ``probe_budget`` of the step time), goes
+back to the base interval after a decision changes the plan, and stops for
+good once the Preserver's decision is final (``Preserver.settled``).
 
 Pure Python, no torch: the monitor measures, this decides.
 """
@@ -87,13 +88,11 @@ def compute_ms(profile: Any) -> float:
     return float(profile.forward_ms + profile.backward_ms + profile.update_ms)
 
 
-def priced_cost_ms(plan: Any, param_names: list[str], staleness_prices: dict[str, float],
-                   update_prices: dict[str, float], compute: float) -> float:
-    """A plan's predicted step time per step of synchronous progress under the given prices (what the deft
-    solver ranks candidates by, ``priced_step_ms``). ``plan`` is a ``Plan`` (items with bucket, slices,
-    delay, period); each bucket's parameters are counted once, however many link shares carry it."""
-    from deft_compile.planner.solvers.deft import priced_step_ms
-
+def plan_price_ms(plan: Any, param_names: list[str], staleness_prices: dict[str, float],
+                  update_prices: dict[str, float]) -> float:
+    """The price of a plan's staleness and update periods, ms per step: each parameter's staleness price × its
+    mean staleness (d + (K − 1)/2) plus its update price × (1 − 1/K). ``plan`` is a ``Plan`` (items with bucket,
+    slices, delay, period); each bucket's parameters are counted once, however many link shares carry it."""
     buckets: dict[int, tuple[set[int], int, int]] = {}
     for item in plan.items:
         params, _, _ = buckets.setdefault(item.bucket, (set(), item.delay, item.period))
@@ -104,7 +103,18 @@ def priced_cost_ms(plan: Any, param_names: list[str], staleness_prices: dict[str
             name = param_names[p]
             price += staleness_prices.get(name, 0.0) * (delay + (period - 1) / 2) + update_prices.get(name, 0.0) * (
                 1 - 1 / period)
-    return priced_step_ms(float(plan.predicted_iteration_ms or 0.0), price, compute)
+    return price
+
+
+def priced_cost_ms(plan: Any, param_names: list[str], staleness_prices: dict[str, float],
+                   update_prices: dict[str, float], compute: float, step_ms: float | None = None) -> float:
+    """A plan's step time per step of synchronous progress under the given prices (what the deft solver ranks
+    candidates by, ``priced_step_ms``): its predicted step time, or ``step_ms`` (a measured one), with the price
+    of its staleness (``plan_price_ms``)."""
+    from deft_compile.planner.solvers.deft import priced_step_ms
+
+    iteration = float(plan.predicted_iteration_ms or 0.0) if step_ms is None else step_ms
+    return priced_step_ms(iteration, plan_price_ms(plan, param_names, staleness_prices, update_prices), compute)
 
 
 def _rounded(value: float) -> float:
@@ -164,9 +174,10 @@ class ProbeSchedule:
 
     every: int
     backoff: int = 8
-    budget: float = 0.05
+    budget: float = 0.005
     interval: int = 0
     next_step: int = 0
+    stopped: bool = False
 
     def __post_init__(self) -> None:
         if not self.interval:
@@ -175,7 +186,15 @@ class ProbeSchedule:
             self.next_step = max(1, self.every // 5)
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step == self.next_step
+        return bool(self.every) and not self.stopped and step == self.next_step
+
+    def stop(self) -> None:
+        """No more measurements (the decision they would inform is final)."""
+        self.stopped = True
+
+    def resume(self, step: int) -> None:
+        """Measure again ``interval`` steps after ``step`` (measurements paused while a decision was pending)."""
+        self.next_step = step + max(1, self.interval)
 
     def postpone(self, steps: int) -> None:
         """The measurement due now cannot run (a call that only accumulates, or nothing to price yet)."""
@@ -198,7 +217,8 @@ class ProbeSchedule:
         return self.interval
 
     def state_dict(self) -> dict[str, int]:
-        return {"interval": self.interval, "next_step": self.next_step}
+        return {"interval": self.interval, "next_step": self.next_step, "stopped": int(self.stopped)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.interval, self.next_step = int(state["interval"]), int(state["next_step"])
+        self.stopped = bool(state.get("stopped", 0))

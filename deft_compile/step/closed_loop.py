@@ -41,6 +41,7 @@ from deft_compile.planner.closed_loop import (
     is_synchronous,
     max_period,
     measure_window,
+    measured_times,
     plan_step_ms,
     priority_schedule_for,
     refined_plan,
@@ -137,6 +138,11 @@ class ClosedLoop:
     def scales(self) -> tuple[float, float]:
         """(compute factor, link factor) of the refined profile; (1, 1) before any refinement."""
         return (self.refinement.compute, self.refinement.link) if self.refinement is not None else (1.0, 1.0)
+
+    def measured_times(self):
+        """The measured plan times the Preserver judges delays by (``planner.closed_loop.MeasuredTimes``)."""
+        return measured_times(self.measured, self._synchronous, self._sync_pick, self.state, self.synchronous_only,
+                              self.config)
 
     # -- hooks called by the step ---------------------------------------------------------
     def adjust_options(self, options: dict[str, Any]) -> dict[str, Any]:

@@ -129,7 +129,8 @@ class StepPlanning:
                 self.monitor = PreserverMonitor(self._step, self._new_preserver())
             options = self.monitor.preserver.options if self.monitor is not None else self.solver_options()
             self.plan = solve(self.profile, self.policy, **options)
-            log.info("plan (%s):\n%s", self.policy, self.plan.table(self.profile))
+            log.info("plan (%s, %s delays):\n%s", self.policy, self.config.delayed_update,
+                     self.plan.table(self.profile))
         record_plan(self.profile, self.plan, self.dump_dir if self.groups.comm_group.rank == 0 else None)
         if self.config.check_consistency:
             check_same_across_ranks({"plan": self.plan.hash()}, self.groups.process_group)
@@ -197,6 +198,8 @@ class StepPlanning:
             prior_update_prices=prior,
             start_synchronous=(self.config.preserver.start_synchronous if self.config.preserver.start_synchronous
                                is not None else not self._profile_given),
+            # plain delays (averaged, local) are admitted by a paired replay; compensated ones by price and duel
+            plain_delays=self.config.delayed_update != "compensated",
         )
 
     # -- solving and switching ----------------------------------------------------------------------
