@@ -2,14 +2,16 @@
 
     sudo python benchmarks/time_to_accuracy.py                        # GPT-2, calibrated to coverage rate ~1, seeds 0 1
     sudo python benchmarks/time_to_accuracy.py --workload gpt2 cnn --coverage 1 2 3 --steps 2000
+    sudo python benchmarks/time_to_accuracy.py --size small --buckets scaled --coverage 2   # ~20 buckets
+    benchmarks/run_tta_campaign.sh                                    # the documented campaign
     python benchmarks/time_to_accuracy.py --bandwidth none --size tiny --steps 40 --docs '' --out /tmp/tta
 
 Workloads: a GPT-2 (``transformers`` config, random weights, bytes) trained with AdamW on this Python's
 standard-library sources, and a BatchNorm ResNet trained with SGD momentum on teacher-labelled images
 (``tta_cnn.py``); 2 gloo workers; the variants (``--variants``) from the same initial weights on the same batches,
 interleaved in chunks in one process pair. One launch per workload, coverage rate and seed. Writes
-``<out>/tta_<workload>_cr<rate>.json`` and its ``..._time.png`` / ``..._steps.png`` per workload and coverage
-rate, prints the tables and rewrites the results section of ``--docs`` between ``<!-- tta:begin -->`` and
+``<out>/tta_<workload>_<size>[_scaled][_noise<p>]_cr<rate>.json`` (``tta.run_stem``) and its ``..._time.png`` /
+``..._steps.png`` per workload and coverage rate, prints the tables and rewrites the results section of ``--docs`` between ``<!-- tta:begin -->`` and
 ``<!-- tta:end -->`` (an overview, then one section per workload and rate). Everything is in
 ``benchmarks/tta.py``; ``deft-compile bench --time-to-accuracy`` runs the same code from a checkout.
 """
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from deft_compile.compilers import COMPILERS
     from deft_compile.tools.bench import parse_rate
-    from tta import DEFAULT_VARIANTS, VARIANTS, WORKLOADS, TTAConfig, run_benchmark
+    from tta import DEFAULT_VARIANTS, VARIANTS, WORKLOADS, TTAConfig, run_benchmark, run_stem
 
     defaults = TTAConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="bucket cap for DDP and every deft variant (default: DDP's 25 MiB)")
+    parser.add_argument("--buckets", choices=("ddp", "scaled"), default=defaults.buckets,
+                        help="scaled: DDP's cap scaled by the model's gradient bytes over GPT-2 124M's (about 20 "
+                             "buckets, as DDP's defaults give GPT-2 124M)")
+    parser.add_argument("--label-noise", type=float, default=defaults.label_noise,
+                        help="cnn: share of labels replaced by a random class (training and validation)")
+    parser.add_argument("--powersgd-rank", type=int, default=defaults.powersgd_rank,
+                        help="ddp-powersgd's matrix approximation rank")
     parser.add_argument("--compiler", choices=COMPILERS, default=defaults.compiler,
                         help="the deft variants' DeftConfig.compiler (default: the library's); compiles count in the "
                              "training clock and are reported apart")
@@ -73,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulate-accelerator", action="store_true",
                         help="compute thread on core 0, gloo's threads on core 1 (DESIGN.md section 5)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "img"), help="folder of the PNGs (and default JSON)")
-    parser.add_argument("--json", default=None, help="results file (default <out>/tta_<workload>_cr<rate>.json)")
+    parser.add_argument("--json", default=None, help="results file (default <out>/<tta.run_stem>.json)")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "TIME_TO_ACCURACY.md"),
                         help="markdown file whose tta section is rewritten ('' to skip)")
     parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per launch (one seed)")
@@ -107,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = "calibrate" if args.bandwidth is None else parse_rate(args.bandwidth)
         configs = [TTAConfig(workload=workload, size=args.size, steps=args.steps, eval_every=args.eval_every,
                              chunk=args.chunk, batch=args.batch, lr=args.lr, val_windows=args.val_windows,
-                             compiler=args.compiler, bucket_cap_mb=args.bucket_cap_mb,
-                             variants=tuple(args.variants), progress=not args.no_progress)
+                             compiler=args.compiler, bucket_cap_mb=args.bucket_cap_mb, buckets=args.buckets,
+                             label_noise=args.label_noise if workload == "cnn" else 0.0,
+                             powersgd_rank=args.powersgd_rank, variants=tuple(args.variants),
+                             progress=not args.no_progress)
                    for workload in args.workload]
     except ValueError as error:
         parser.error(str(error))
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for cfg in configs:
             for coverage in args.coverage:
-                stem = f"tta_{cfg.workload}_cr{coverage:g}"
+                stem = run_stem(cfg, coverage)
                 records.append(run_benchmark(
                     cfg, args.seeds, bandwidth=bandwidth, coverage=coverage, workers=args.workers,
                     timeout_s=args.timeout, json_path=args.json or out / f"{stem}.json", plot_dir=out,

@@ -230,8 +230,8 @@ def test_script_runs_one_set_per_workload_and_coverage_rate(monkeypatch, tmp_pat
     code = time_to_accuracy.main(["--workload", "gpt2", "cnn", "--coverage", "2", "3", "--size", "tiny",
                                   "--out", str(tmp_path), "--docs", str(docs), "--no-progress"])
     assert code == 0
-    assert [c[:3] for c in calls] == [("gpt2", 2.0, "tta_gpt2_cr2"), ("gpt2", 3.0, "tta_gpt2_cr3"),
-                                      ("cnn", 2.0, "tta_cnn_cr2"), ("cnn", 3.0, "tta_cnn_cr3")]
+    assert [c[:3] for c in calls] == [("gpt2", 2.0, "tta_gpt2_tiny_cr2"), ("gpt2", 3.0, "tta_gpt2_tiny_cr3"),
+                                      ("cnn", 2.0, "tta_cnn_tiny_cr2"), ("cnn", 3.0, "tta_cnn_tiny_cr3")]
     assert all(c[3].endswith(f"{c[2]}.json") for c in calls)
     text = docs.read_text()
     assert text.count("section gpt2") == 2 and text.count("section cnn") == 2 and "| workload | DDP's CR |" in text
@@ -258,7 +258,7 @@ def test_script_runs_one_set_per_workload_and_coverage_rate(monkeypatch, tmp_pat
 def cnn_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tta-cnn")
     cfg = tta.TTAConfig(workload="cnn", size="tiny", steps=6, eval_every=3, chunk=2, batch=4, val_windows=32,
-                        variants=("ddp", "ddp-compiled", "deft-sync"), progress=False)
+                        variants=("ddp", "ddp-compiled", "deft-sync", "ddp-fp16", "ddp-powersgd"), progress=False)
     return tta.run_benchmark(cfg, [0], bandwidth=None, measure_cr=False, timeout_s=240, json_path=out / "cnn.json",
                              plot_dir=None, command="pytest", log=lambda message: None)
 
@@ -275,6 +275,11 @@ def test_cnn_workload_trains_and_synchronous_variants_match_ddp(cnn_run):
             [e["val_loss"] for e in ddp["evals"]], rel=1e-4), name
         assert variants[name]["train_loss"] == pytest.approx(ddp["train_loss"], rel=1e-4), name
     assert variants["ddp-compiled"]["torch_compile"] and not ddp["torch_compile"]
+    for name in ("ddp-fp16", "ddp-powersgd"):  # the compression peers train, and not with DDP's exact numbers
+        losses = [e["val_loss"] for e in variants[name]["evals"]]
+        assert losses[-1] < losses[0] and losses != [e["val_loss"] for e in ddp["evals"]], name
+    assert cnn_run["provenance"]["command"] == "pytest" and "commit" in cnn_run["provenance"]
+    assert cnn_run["ddp_buckets"] >= 1 and variants["deft-sync"]["delayed_update"] == "compensated"
     rows = cnn_run["summary"]["per_seed"][0]
     assert rows["ddp-compiled"]["compile_s"] > 0.0 and rows["ddp"]["compile_s"] == 0.0
     assert "ResNet `tiny`" in tta.results_section(cnn_run)
@@ -317,3 +322,49 @@ def test_speedup_without_compile_takes_the_compile_off_the_clock():
     assert rows["compiled"]["compile_s"] == pytest.approx(30.0)
     assert rows["compiled"]["speedup"] == pytest.approx(20.0 / 50.0)
     assert rows["compiled"]["speedup_without_compile"] == pytest.approx(1.0)
+
+
+def test_scaled_buckets_give_a_few_million_parameters_about_as_many_buckets_as_gpt2_124m():
+    """``buckets="scaled"``: DDP's 25 MiB cap scaled by the gradient bytes over GPT-2 124M's. GPT-2 124M under DDP's
+    defaults and the 1.8 M-parameter ``mini`` GPT-2 under the scaled cap get about 20 buckets each; the default cap
+    would give the small model two."""
+    from deft_compile.planner.bucketing import assign_buckets
+
+    model = tta.build_model("mini")
+    sizes = [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+    cap = tta.scaled_bucket_cap_mb(sum(sizes))
+    assert cap == pytest.approx(25.0 * sum(sizes) / tta.REFERENCE_GRADIENT_BYTES)
+    cfg = tta.TTAConfig(size="mini", buckets="scaled")
+    assert tta.bucket_cap_of(cfg, model) == pytest.approx(cap) and tta.bucket_cap_of(tta.TTAConfig(), model) is None
+    scaled = assign_buckets(sizes, first_bucket_bytes=int(cap * 2 ** 20), bucket_cap_bytes=int(cap * 2 ** 20))
+    default = assign_buckets(sizes)
+    assert 12 <= len(scaled) <= 30 and len(default) <= 2, (len(scaled), len(default))
+    with pytest.raises(ValueError, match="scaled"):
+        tta.TTAConfig(buckets="scaled", bucket_cap_mb=1.0)
+    with pytest.raises(ValueError, match="label_noise"):
+        tta.TTAConfig(workload="gpt2", label_noise=0.2)
+
+
+def test_rows_name_the_coverage_rate_they_measured_and_their_buckets():
+    record = {"config": {"workload": "gpt2", "size": "small", "buckets": "scaled"}, "ddp_buckets": 21,
+              "coverage_rate": 2.86, "coverage_target": 2.0}
+    assert tta.coverage_cell(record) == "2.86 (target 2, outside ±15%)"
+    assert tta.coverage_cell({**record, "coverage_rate": 2.2}) == "2.20"
+    assert tta.workload_label(record) == "gpt2 small (21 buckets)"
+    noisy = {"config": {"workload": "cnn", "size": "small", "label_noise": 0.3}}
+    assert tta.workload_label(noisy) == "cnn small (label noise 0.3)"
+    assert tta.run_stem(tta.TTAConfig(size="small", buckets="scaled"), 2.0) == "tta_gpt2_small_scaled_cr2"
+    assert tta.run_stem(tta.TTAConfig(workload="cnn", size="small", label_noise=0.3), 3) == \
+        "tta_cnn_small_noise0.3_cr3"
+
+
+def test_label_noise_replaces_that_share_of_labels_with_random_classes():
+    import tta_cnn
+
+    clean = tta_cnn.teacher_images(4000, 16, torch.Generator().manual_seed(1))[1]
+    noisy = tta_cnn.teacher_images(4000, 16, torch.Generator().manual_seed(1), label_noise=0.3)[1]
+    changed = float((clean != noisy).float().mean())
+    assert 0.3 * 0.9 * 0.85 < changed < 0.3 * 0.9 * 1.15, changed  # a random class is the teacher's 1 time in 10
+    common = {"size": "tiny", "batch": 4, "seed": 3, "world_size": 2, "val_images": 10, "rank": 0}
+    assert torch.equal(tta_cnn.ImageBatches(label_noise=0.3, **common).batch_at(2)[1],
+                       tta_cnn.ImageBatches(label_noise=0.3, **common).batch_at(2)[1])
