@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         plans = ", ".join(entry["reason"] for entry in step.plan_history) or "local training"
         print(f"final eval loss {metrics['eval_loss']:.4f} after {trainer.state.global_step} updates; "
               f"{step.trace_count} step graphs; plans: {plans}", flush=True)
+    # Tear the process groups down before the interpreter exits (accelerate's end of a script: destroy_process_group).
+    # A gloo worker thread releases a finished collective's tensors just after the caller's wait returns; if the
+    # interpreter is finalizing by then, the thread cannot take the GIL to free their Python objects, Python ends it
+    # with pthread_exit inside a noexcept destructor, and the process aborts (SIGABRT). Destroying the groups joins
+    # those threads while the interpreter is whole.
+    trainer.accelerator.end_training()
     return 0
 
 

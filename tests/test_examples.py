@@ -54,3 +54,24 @@ def test_train_gpt2_hf_under_torchrun_with_resume(tmp_path):
     assert "resumed from" in second.stdout and re.search(r"^update 5 loss", second.stdout, re.M)
     assert re.search(r"final eval loss [0-9.]+ after 6 updates", second.stdout)
 
+
+
+def test_train_hf_trainer_under_torchrun_with_resume(tmp_path):
+    """DeftTrainer under torchrun: 4 updates with a checkpoint after 2 (accumulation 2, bf16, clipping, warm-up then
+    cosine), then a second launch resumed from it repeats updates 3 and 4 with the same losses and the same final
+    evaluation. Both launches exit with 0: the script tears its process groups down before the interpreter exits."""
+    script = EXAMPLES / "train_hf_trainer.py"
+    first = _torchrun(tmp_path, script, "--tiny", "--steps", "4", "--save-steps", "2", "--output-dir", "out")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    assert "world size 2, policy deft, accumulation 2, bf16, clip 1.0" in first.stdout
+    losses = re.findall(r"\{'loss': '([^']+)'", first.stdout)
+    assert len(losses) == 4 and all(0 < float(x) < 10 for x in losses), first.stdout
+    for rank in range(2):
+        assert (tmp_path / "out" / "checkpoint-2" / f"deft_step_rank{rank}.pt").exists()
+    final = re.search(r"final eval loss ([0-9.]+) after 4 updates", first.stdout)
+    assert final, first.stdout
+    second = _torchrun(tmp_path, script, "--tiny", "--steps", "4", "--save-steps", "2", "--output-dir", "out",
+                       "--resume", "out/checkpoint-2")
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert re.findall(r"\{'loss': '([^']+)'", second.stdout) == losses[2:], second.stdout
+    assert re.search(r"final eval loss ([0-9.]+) after 4 updates", second.stdout).group(1) == final.group(1)
