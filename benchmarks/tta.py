@@ -8,7 +8,7 @@ same Python) with 2 gloo workers, once per variant:
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (eager);
 * ``ddp-fp16``, ``ddp-powersgd`` (peers a user on a slow link would pick): DDP with its fp16 compression hook
   (gloo refuses the bf16 one) and with PowerSGD (``powersgd_rank``, warm start, error feedback, vanilla
-  all-reduce for the learning rate's warm-up steps);
+  all-reduce for the learning rate's warm-up steps; one bucket, ``_Variant``);
 * ``deft``: ``deft_compile(policy="deft")`` with its defaults; the solver's defaults allow update periods, so
   this *is* "deft with periods" (and the Preserver, closed-loop planning and the default delayed semantics,
   compensated for AdamW and SGD momentum, are on);
@@ -445,8 +445,14 @@ class _Variant:
             controls = (spec or {}).get("ddp", {})
             if controls.get("perturb_ulps"):
                 perturb_by_ulps(self.model, int(controls["perturb_ulps"]), seed=cfg.seed + 1)
+            cap = bucket_cap_mb
+            if controls.get("hook") == "powersgd":
+                # one bucket: PowerSGD issues a bucket's second all-reduce from its first one's completion callback,
+                # so with several buckets the ranks can issue them to gloo in different orders and the collectives
+                # mismatch (seen with 13 buckets: a gloo size mismatch); one bucket keeps every rank's order
+                cap = 2 * sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2 ** 20
             ddp = self.ddp = nn.parallel.DistributedDataParallel(
-                self.model, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}))
+                self.model, **({"bucket_cap_mb": cap} if cap is not None else {}))
             if controls.get("hook"):
                 _register_hook(ddp, controls["hook"], cfg)
             # torch.compile with the deft variants' compiler: Inductor, or aot_eager beside the aten route
@@ -585,7 +591,8 @@ class _Variant:
             "torch_compile": self.torch_compiled,
         }
         if self.ddp is not None:  # DDP's buckets after its first iteration's rebuild
-            sizes = str(self.ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+            logged = self.ddp._get_ddp_logging_data()
+            sizes = str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes", ""))
             out["ddp_buckets"] = len([size for size in sizes.split(",") if size.strip()])
         if self.deft is not None:
             out.update(_plan_record(self.deft))
@@ -628,6 +635,13 @@ def tta_worker(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str
     torch.manual_seed(cfg.seed)
     base = tta_cnn.build_model(cfg.size) if cfg.workload == "cnn" else build_model(cfg.size)
     cap = bucket_cap_of(cfg, base)
+    if cap is not None:
+        # torch.compile(DDP)'s DDPOptimizer takes torch's default first bucket (1 MiB) and refuses a cap below it;
+        # with this process's default set to the cap its first bucket is the cap, as DDP's own is whenever a cap is
+        # given (every DDP here is given one explicitly, so nothing else reads the default)
+        import torch.distributed as dist
+
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(cap * 2 ** 20)
     variants = {name: _Variant(name, base, cfg, cap) for name in cfg.variants}
     for variant in variants.values():
         variant.evaluate(batches)  # step 0: every variant from the same weights

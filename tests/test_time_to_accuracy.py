@@ -258,7 +258,8 @@ def test_script_runs_one_set_per_workload_and_coverage_rate(monkeypatch, tmp_pat
 def cnn_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tta-cnn")
     cfg = tta.TTAConfig(workload="cnn", size="tiny", steps=6, eval_every=3, chunk=2, batch=4, val_windows=32,
-                        variants=("ddp", "ddp-compiled", "deft-sync", "ddp-fp16", "ddp-powersgd"), progress=False)
+                        buckets="scaled", variants=("ddp", "ddp-compiled", "deft-sync", "ddp-fp16", "ddp-powersgd"),
+                        progress=False)
     return tta.run_benchmark(cfg, [0], bandwidth=None, measure_cr=False, timeout_s=240, json_path=out / "cnn.json",
                              plot_dir=None, command="pytest", log=lambda message: None)
 
@@ -279,7 +280,10 @@ def test_cnn_workload_trains_and_synchronous_variants_match_ddp(cnn_run):
         losses = [e["val_loss"] for e in variants[name]["evals"]]
         assert losses[-1] < losses[0] and losses != [e["val_loss"] for e in ddp["evals"]], name
     assert cnn_run["provenance"]["command"] == "pytest" and "commit" in cnn_run["provenance"]
-    assert cnn_run["ddp_buckets"] >= 1 and variants["deft-sync"]["delayed_update"] == "compensated"
+    # scaled caps: DDP (and every variant) in several buckets; PowerSGD in one (its callbacks would race in gloo)
+    assert cnn_run["ddp_buckets"] >= 4 and variants["ddp-powersgd"]["ddp_buckets"] == 1, cnn_run["ddp_buckets"]
+    assert variants["deft-sync"]["delayed_update"] == "compensated"
+    assert "DDP buckets: bucket cap" in tta.results_section(cnn_run)
     rows = cnn_run["summary"]["per_seed"][0]
     assert rows["ddp-compiled"]["compile_s"] > 0.0 and rows["ddp"]["compile_s"] == 0.0
     assert "ResNet `tiny`" in tta.results_section(cnn_run)

@@ -84,9 +84,16 @@ class Trader:
             else:
                 event = self._propose(step_count, prices, synchronous, compute)
             changed = event is not None
-        preserver.probes.after_measurement(step_count, changed=changed, probe_ms=probe_ms,
-                                           step_ms=step.plan.predicted_iteration_ms or synchronous.predicted_iteration_ms)
+        preserver.probes.after_measurement(step_count, changed=changed, probe_ms=probe_ms, step_ms=self._step_ms(synchronous))
         return event
+
+    def _step_ms(self, synchronous) -> float:
+        """The running plan's step time the probes' budget is a share of: measured by the closed loop where it has
+        measured that plan, else predicted."""
+        times, plan = self._times(), self.step.plan
+        if times is not None and plan.hash() in times.plan_ms:
+            return times.plan_ms[plan.hash()]
+        return float(plan.predicted_iteration_ms or synchronous.predicted_iteration_ms or 0.0)
 
     def _metrics(self, prices, synchronous_ms: float, plan_ms: float, price_ms: float, gain_ms: float,
                  **extra: Any) -> dict[str, Any]:
@@ -189,6 +196,8 @@ class Trader:
     # -- plain delays: the paired replay ---------------------------------------------------------------
     def before_step(self) -> None:
         if self.admission is not None and self.preserver.admission is not None:
+            if self.admission.schedule is None:  # a resumed run: its replay starts afresh
+                self.admission.request(self.preserver.admission["schedule"])
             self.admission.before_step(self.step)
 
     def after_step(self, args: tuple, kwargs: dict) -> PreserverEvent | None:
