@@ -8,13 +8,15 @@
 #     sudo benchmarks/run_tta_campaign.sh [OUT]          # results and plots in OUT (default benchmarks/results/tta)
 #     python benchmarks/time_to_accuracy.py --docs docs/TIME_TO_ACCURACY.md --render OUT/tta_*.json
 #
-# Wall-clock estimate on a quiet 2-core host (from the steady DDP steps of earlier runs and the models' compute:
-# GPT-2 tiny and the CNN small 0.07 s per step at coverage rate 2, GPT-2 mini about 0.18 s of compute per step
-# and the CNN medium about 0.25 s, times 1 + the coverage rate), calibration and compiles included:
-#   GPT-2 mini, 13 buckets:          CR 1  ~1.7 h   CR 2  ~4 h     CR 3  ~5.5 h
-#   CNN medium, 9 buckets, noise:    CR 1  ~3 h     CR 2  ~6 h     CR 3  ~8 h     (three seeds)
+# Wall-clock estimate on a quiet 2-core host: steps x variants x seeds x DDP's step, DDP's step about the compute
+# times (1 + the coverage rate); compute per step about 0.18 s for GPT-2 mini and 0.22 s for the CNN medium (from
+# their eager steps on this host, scaled by GPT-2 tiny's measured 0.024 s), 0.02 s for the controls; the compressed
+# peers run faster than DDP, deft's first step and compiles add minutes:
+#   GPT-2 mini, 13 buckets:                 CR 1  ~2 h     CR 2  ~4 h     CR 3  ~5.5 h
+#   CNN medium, 9 buckets, three seeds:     CR 1  ~3.5 h   CR 2  ~7.5 h   CR 3  ~10 h
 #   controls (GPT-2 tiny, CNN small at CR 2, the variants of the previous runs):  ~1.2 h
-#   in all about 30 hours; each command below can run on its own (one results file each).
+#   in all about 34 hours; each command below can run on its own (one results file each). A smoke of the GPT-2
+#   mini at 200 steps (five variants, one seed, a loaded host) took 30 minutes.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
