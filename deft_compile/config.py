@@ -23,9 +23,10 @@ def parse_link(spec: str) -> tuple[str, str | None]:
     return kind, interface or None
 
 
-#: ``DeftConfig.delayed_update`` values: DESIGN.md §4's semantics, the opt-in local-then-corrected one, and the
-#: compensated one (the late averaged gradient through a published correction, replicas identical).
-DELAYED_UPDATES = ("averaged", "local", "compensated")
+#: ``DeftConfig.delayed_update`` values: ``"auto"`` (compensated where the optimizer is covered, else averaged),
+#: the plain averaged delay, the local-then-corrected one, and the compensated one (the late averaged gradient
+#: through a published correction, replicas identical); docs/POLICIES.md.
+DELAYED_UPDATES = ("auto", "averaged", "local", "compensated")
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,10 @@ class DeftConfig(BucketSizes):
         peer_check_timeout_s: after a failed collective, how long survivors wait for every rank to report in
             through the store before naming the ranks that did not. 5 s is long enough for a live rank to
             answer and short enough not to delay the error much.
-        max_cached_graphs: how many captured graphs (one per input shape, module mode and optimizer
-            hyper-parameters) are kept before the oldest is dropped. 8 covers train/eval and a few shapes
-            without holding many compiled graphs in memory.
+        max_cached_graphs: how many step graphs (one per input shape, module mode, optimizer hyper-parameters
+            and phase) are kept per plan, for up to four plans side by side, before the least recently used is
+            dropped. 8 covers train/eval and a few shapes without holding many compiled graphs in memory; per plan
+            so that a plan a run returns to (a duel's, the synchronous plan after delays) builds no graph again.
         plan_options: extra keyword options for the policy's solver (``deft_compile.planner.solvers``), e.g.
             ``{"max_staleness": 0}`` for DeFT. Empty: each solver's own defaults.
         links: extra communication channels besides the process group, e.g. ``("gloo:eth1",)`` or
@@ -78,16 +80,19 @@ class DeftConfig(BucketSizes):
             running step.
         compiler: what runs the rewritten step graph: ``"inductor"`` (collectives and waits stay where the plan
             put them, ``deft_compile.step.lowering``) or ``"aten"`` (the graph's aten ops called from Python;
-            bit-identical to DDP with SGD); ``$DEFT_COMPILER`` when set. Inductor by default because it runs
-            the step faster (0.77-0.93x eager on the suite's models).
-        delayed_update: what a delayed bucket (d=1) applies: ``"averaged"``, the averaged gradient of the
-            previous step, w_{t+1} = U(w_t, ḡ_{t-1}) (DESIGN.md §4); ``"local"``, this step's local gradient
-            plus the correction of the previous one to its average, replicas equal again after ``flush()`` (call
-            it on every rank before a checkpoint; docs/POLICIES.md; not with ``accumulation_steps`` or
-            ``loss_scale``); or ``"compensated"``, the averaged gradient through the Nesterov form of the first
-            moment, with the forward and backward at the weights the pending update is about to give (SGD with
-            momentum, Adam, AdamW; ``deft_compile.passes.compensation``, docs/POLICIES.md). ``"averaged"``
-            until a compensated run measures a time-to-accuracy gain.
+            bit-identical to DDP with SGD); ``$DEFT_COMPILER`` when set. Inductor by default because its
+            fused kernels run the step faster than ATen's ops called one by one.
+        delayed_update: what a delayed bucket (d=1) applies: ``"compensated"``, the averaged gradient of the
+            previous step through the Nesterov form of the first moment, with the forward and backward at the
+            weights the pending update is about to give (SGD with momentum, Adam, AdamW;
+            ``deft_compile.passes.compensation``); ``"averaged"``, the averaged gradient of the previous step
+            as it is, w_{t+1} = U(w_t, ḡ_{t-1}); ``"local"``, this step's local gradient plus the correction of
+            the previous one to its average, replicas equal again after ``flush()`` (call it on every rank before
+            a checkpoint; not with ``accumulation_steps`` or ``loss_scale``); or ``"auto"``: ``"compensated"``
+            where the optimizer is covered, ``"averaged"`` otherwise (``step.delayed_update`` says which; the
+            Preserver admits plain averaged delays only where a paired replay measures them harmless).
+            ``"auto"`` because compensated delays measured a small loss cost where plain ones cost 3-5 % of
+            final loss (docs/POLICIES.md).
         dynamic_shapes: once an input dimension has changed size, capture the step with that dimension symbolic,
             so every later size reuses one capture and its compiled regions (``deft_compile.step.symbolic``);
             False: every new input shape is traced and compiled on its own. On because dynamic padding, a short
@@ -95,8 +100,8 @@ class DeftConfig(BucketSizes):
         contention: the measured profile's ``Profile.contention``, the share of a collective's time that slows
             compute beside it (docs/PLANNER.md): a number in [0, 1], or None to measure it on the first step; a
             profile you give keeps its own, and the closed loop's refinement replaces it. 0, an accelerator's,
-            because the first-step probe is noisy on a shared CPU host (0.09-0.75 across launches of one model
-            and link) and the closed loop measures it there from the step thread's run-queue delay.
+            because the first-step probe is noisy on a shared CPU host (it varies several-fold across launches
+            of one model and link) and the closed loop measures it there from the step thread's run-queue delay.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -115,7 +120,7 @@ class DeftConfig(BucketSizes):
     loss_scale: Any = None
     closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
     compiler: str = field(default_factory=default_compiler)
-    delayed_update: str = "averaged"
+    delayed_update: str = "auto"
     contention: float | None = 0.0
     dynamic_shapes: bool = True
 

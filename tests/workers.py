@@ -408,7 +408,7 @@ def _delayed_names(step) -> set[str]:
 
 
 class PlanReference:
-    """Eager training with DeFT's semantics (DESIGN.md §4) for a given per-parameter schedule,
+    """Eager training with DeFT's delayed semantics (docs/POLICIES.md) for a given per-parameter schedule,
     written without deft_compile.
 
     ``schedule`` maps parameter name -> (delay d, period K, offset). A parameter
@@ -1376,7 +1376,8 @@ def hybrid_vs_reference(rank: int, world_size: int, case: str, steps: int, sched
         torch.manual_seed(100 * rank + t)
         step(inputs, targets)
         if reference is None:
-            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size)
+            reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size,
+                                      compensated=step.delayed_update == "compensated")
         before = _snapshot(ref_model, ref_optimizer)
         torch.manual_seed(100 * rank + t)
         reference.step(inputs, targets)

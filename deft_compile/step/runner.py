@@ -44,6 +44,10 @@ from deft_compile.step.symbolic import ShapeFamilies
 
 log = logging.getLogger("deft_compile")
 
+#: plans whose graphs the cache keeps side by side (``StepRunner._graph_cache_size``): the synchronous plan, a plan
+#: with delays, and the closed loop's two priority trials
+PLANS_KEPT = 4
+
 
 class StepRunner:
     """Runs the current items' step graphs and keeps what crosses the step boundary (see the module docstring)."""
@@ -327,13 +331,16 @@ class StepRunner:
         return compiled
 
     def _graph_cache_size(self) -> int:
-        """``DeftConfig.max_cached_graphs``, but never fewer than a plan cycle needs: with update periods and
-        accumulation every call of a cycle has its own phase (its own graph), and a cache smaller than the
-        cycle would retrace on every call."""
+        """``DeftConfig.max_cached_graphs`` per plan that has graphs in the cache, for up to ``PLANS_KEPT`` plans, but
+        never fewer than a plan cycle needs: with update periods and accumulation every call of a cycle has its
+        own phase (its own graph), and a cache smaller than the cycle would retrace on every call. Per plan
+        because a run returns to plans it left (the closed loop's duel alternates two, a flush runs between them,
+        the Preserver goes back to the synchronous plan), and a plan seen before must build no graph again."""
         cycle = 1
         for item in self.items:
             cycle = math.lcm(cycle, item.period)
-        return max(self.config.max_cached_graphs, 2 * cycle + 2)
+        plans = len({key[2] for key in self.graphs})
+        return max(self.config.max_cached_graphs, 2 * cycle + 2) * max(1, min(plans, PLANS_KEPT))
 
     # -- running ------------------------------------------------------------------------------
     def graph_inputs(self, layout, captured: CapturedStep, user_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
