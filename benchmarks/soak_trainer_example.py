@@ -120,37 +120,41 @@ def main(argv: list[str] | None = None) -> int:
         "crashes": [],
     }
     checkpoint = None
-    with tempfile.TemporaryDirectory(prefix="soak-") as scratch:
-        for index in range(args.launches):
-            resumed = index % 2 == 1 and checkpoint is not None
-            work = Path(scratch) / f"launch{index:03d}"
-            if resumed:
-                shutil.copytree(checkpoint, work)
-            else:
-                work.mkdir()
-            outcome = launch(source, work, args, f"out/checkpoint-{args.save_steps}" if resumed else None,
-                             args.cores is not None)
-            crashed = outcome["returncode"] != 0 or not outcome["finished"]
-            entry = {"launch": index, "resumed": resumed, "returncode": outcome["returncode"],
-                     "seconds": outcome["seconds"], "crashed": crashed}
-            result["launches"].append(entry)
-            if crashed:
-                (work / "launch.log").write_text(outcome["output"])
-                print(outcome["output"][-3000:], flush=True)
-                cores = sorted(str(p) for p in work.glob("core*"))
-                if args.cores is not None and cores:
-                    args.cores.mkdir(parents=True, exist_ok=True)
-                    cores = [shutil.copy(core, args.cores / f"launch{index:03d}-{Path(core).name}") for core in cores]
-                result["crashes"].append({**entry, "rank_exit_codes": rank_exit_codes(outcome["output"]),
-                                          "cores": cores, "output_tail": outcome["output"][-6000:]})
-            elif not resumed:
-                checkpoint = work
-            print(f"launch {index + 1}/{args.launches}{' (resumed)' if resumed else ''}: exit code "
-                  f"{outcome['returncode']}, {outcome['seconds']:.0f} s{' CRASHED' if crashed else ''}", flush=True)
-            if resumed:  # the launch and the checkpoint it resumed from are done with
+    scratch = tempfile.mkdtemp(prefix="soak-")  # kept where a launch crashed: its output and cores stay there
+    for index in range(args.launches):
+        resumed = index % 2 == 1 and checkpoint is not None
+        work = Path(scratch) / f"launch{index:03d}"
+        if resumed:
+            shutil.copytree(checkpoint, work)
+        else:
+            work.mkdir()
+        outcome = launch(source, work, args, f"out/checkpoint-{args.save_steps}" if resumed else None,
+                         args.cores is not None)
+        crashed = outcome["returncode"] != 0 or not outcome["finished"]
+        entry = {"launch": index, "resumed": resumed, "returncode": outcome["returncode"],
+                 "seconds": outcome["seconds"], "crashed": crashed}
+        result["launches"].append(entry)
+        if crashed:
+            (work / "launch.log").write_text(outcome["output"])
+            print(outcome["output"][-3000:], flush=True)
+            cores = sorted(str(p) for p in work.glob("core*"))
+            if args.cores is not None and cores:
+                args.cores.mkdir(parents=True, exist_ok=True)
+                cores = [str(shutil.copy(core, args.cores / f"launch{index:03d}-{Path(core).name}"))
+                         for core in cores]
+            result["crashes"].append({**entry, "rank_exit_codes": rank_exit_codes(outcome["output"]),
+                                      "cores": cores, "output_tail": outcome["output"][-6000:]})
+        elif not resumed:
+            checkpoint = work
+        print(f"launch {index + 1}/{args.launches}{' (resumed)' if resumed else ''}: exit code "
+              f"{outcome['returncode']}, {outcome['seconds']:.0f} s{' CRASHED' if crashed else ''}", flush=True)
+        if resumed:  # the checkpoint it resumed from is done with, and the launch too unless it crashed
+            if not crashed:
                 shutil.rmtree(work, ignore_errors=True)
-                shutil.rmtree(checkpoint, ignore_errors=True)
-                checkpoint = None
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            checkpoint = None
+    if not result["crashes"]:
+        shutil.rmtree(scratch, ignore_errors=True)
     result["summary"] = {"launches": len(result["launches"]), "crashes": len(result["crashes"]),
                          "exit_codes": sorted({str(c["returncode"]) for c in result["crashes"]})}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,26 @@ def windows(data: torch.Tensor, context: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in rows]
 
 
+def shut_down() -> None:
+    """Stop the process groups' threads while the interpreter is whole: ``destroy_process_group``, then collect the
+    objects that held the groups (the Trainer and its deft step, freed once ``train`` returned, but only by the
+    garbage collector: the Trainer's callbacks refer back to it), so that each gloo group's destructor joins its
+    worker threads now.
+
+    Why: a gloo worker thread frees a finished collective's tensors just after the caller's wait returns. If that
+    happens while the interpreter finalizes, freeing their Python objects needs the GIL, Python 3.11 ends the thread
+    inside a destructor instead, and the process aborts (SIGABRT, "terminate called without an active exception").
+    ``destroy_process_group`` alone does not stop gloo's threads: they stop when the last reference to the group goes.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer updates (Trainer's max_steps)")
@@ -46,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
                                                              "resume_from_checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    train(args)
+    shut_down()
+    return 0
 
+
+def train(args: argparse.Namespace) -> None:
+    """Train, evaluate, and print the result on rank 0 (nothing it creates outlives the call but through cycles)."""
     import transformers
 
     from deft_compile import DeftConfig
@@ -87,13 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         plans = ", ".join(entry["reason"] for entry in step.plan_history) or "local training"
         print(f"final eval loss {metrics['eval_loss']:.4f} after {trainer.state.global_step} updates; "
               f"{step.trace_count} step graphs; plans: {plans}", flush=True)
-    # Tear the process groups down before the interpreter exits (accelerate's end of a script: destroy_process_group).
-    # A gloo worker thread releases a finished collective's tensors just after the caller's wait returns; if the
-    # interpreter is finalizing by then, the thread cannot take the GIL to free their Python objects, Python ends it
-    # with pthread_exit inside a noexcept destructor, and the process aborts (SIGABRT). Destroying the groups joins
-    # those threads while the interpreter is whole.
-    trainer.accelerator.end_training()
-    return 0
 
 
 if __name__ == "__main__":
