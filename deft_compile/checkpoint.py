@@ -31,12 +31,22 @@ bucket before its first update or an unused parameter, stay without), read from 
 metadata; ``save`` writes no state for an optimizer that had none and leaves it without. A model
 entry missing from the checkpoint raises DCP's error. Resuming needs the same world size and
 policy (``step.load_state_dict`` checks the policy); everything loads bit-identically.
+
+A save is complete when every rank's files and DCP's metadata are written: then rank 0 writes ``COMPLETE_FILE``
+beside them, naming every file of the checkpoint with its size (it removes an older one before the save starts).
+``load`` refuses a folder without it, or whose files are missing or of another size (a save interrupted by a
+failure, a truncated copy), with ``TornCheckpointError`` on every rank, before anything is read.
+
+A rank that dies or hangs during ``save`` or ``load`` makes the others raise ``PeerFailureError`` naming it, after
+the process group's timeout at most.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -45,10 +55,14 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from deft_compile.errors import DeftError
+from deft_compile.errors import DeftError, TornCheckpointError
+from deft_compile.step.distributed import lost_peers_named
 from deft_compile.step.runtime import CompiledStep
 
 KEY = "deft"
+
+#: written by rank 0 into the checkpoint folder once every file of the save is complete: ``{"files": {name: size}}``
+COMPLETE_FILE = "deft_complete.json"
 
 
 def save(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping[str, Any] | None = None,
@@ -56,8 +70,11 @@ def save(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping
     """``dcp.save`` of the step's model, optimizer and ``step.state_dict()`` (plus ``extra``) to ``checkpoint_id``.
 
     Call on every rank of the step's process group, between steps. ``model`` and ``optimizer`` default to the
-    step's own. No step communication runs (``step.state_dict()`` waits for pending all-reduces locally)."""
+    step's own. No step communication runs (``step.state_dict()`` waits for pending all-reduces locally); DCP's own
+    collectives run on the step's process group. Rank 0 marks the folder complete at the end (``COMPLETE_FILE``)."""
     model, optimizer = _model_and_optimizer(step, model, optimizer)
+    if _rank(step) == 0:  # before DCP's first collective, so before any rank writes into the folder
+        (Path(os.fspath(checkpoint_id)) / COMPLETE_FILE).unlink(missing_ok=True)
     had_state = bool(optimizer.state)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     if not had_state:  # DCP stepped it with lr 0 to have tensors to write: not this run's state
@@ -67,14 +84,20 @@ def save(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping
     torch.save(step.state_dict(), blob)
     blob.seek(0)
     state = _layout(step, model_state, optimizer_state, blob)
-    dcp.save({KEY: state, **dict(extra or {})}, checkpoint_id=checkpoint_id, process_group=step.process_group)
+    with _peers_named(step):
+        dcp.save({KEY: state, **dict(extra or {})}, storage_writer=_MarkingWriter(os.fspath(checkpoint_id)),
+                 process_group=step.process_group)
 
 
 def load(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping[str, Any] | None = None,
-         model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+         model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+         check_complete: bool = True) -> None:
     """Load what ``save`` wrote into the step, its model and optimizer (and ``extra``, in place, as ``dcp.load``
-    does). Call on every rank, after ``deft_compile()`` and before the step's next call."""
+    does). Call on every rank, after ``deft_compile()`` and before the step's next call. ``check_complete``: refuse
+    a checkpoint that ``save`` did not finish (``TornCheckpointError``); False reads whatever DCP can read."""
     model, optimizer = _model_and_optimizer(step, model, optimizer)
+    if check_complete:
+        check_complete_checkpoint(checkpoint_id)
     saved = set(dcp.FileSystemReader(os.fspath(checkpoint_id)).read_metadata().state_dict_metadata)
     key = f"rank{_rank(step)}"
     if f"{KEY}.step.{key}" not in saved:
@@ -86,7 +109,8 @@ def load(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping
         name: kept for name, entries in optimizer_state["state"].items()
         if (kept := {k: v for k, v in entries.items() if f"{prefix}.state.{name}.{k}" in saved})}}
     state = _layout(step, model_state, optimizer_state, io.BytesIO())
-    dcp.load({KEY: state, **dict(extra or {})}, checkpoint_id=checkpoint_id, process_group=step.process_group)
+    with _peers_named(step):
+        dcp.load({KEY: state, **dict(extra or {})}, checkpoint_id=checkpoint_id, process_group=step.process_group)
     if not _replicated(step):
         model_state, optimizer_state = state["model"][key], state["optimizer"][key]
     else:
@@ -118,3 +142,55 @@ def _layout(step: CompiledStep, model_state: dict, optimizer_state: dict, blob: 
     if _replicated(step):
         return {"model": model_state, "optimizer": optimizer_state, "step": {key: blob}}
     return {"model": {key: model_state}, "optimizer": {key: optimizer_state}, "step": {key: blob}}
+
+
+def check_complete_checkpoint(checkpoint_id: str | os.PathLike) -> None:
+    """Raise ``TornCheckpointError`` unless ``save`` finished writing ``checkpoint_id``: its ``COMPLETE_FILE`` is
+    there and every file it names has the size it had then."""
+    folder = Path(os.fspath(checkpoint_id))
+    if not folder.is_dir():
+        raise DeftError(f"no checkpoint at {os.fspath(checkpoint_id)!r}: not a folder")
+    try:
+        files = json.loads((folder / COMPLETE_FILE).read_text())["files"]
+    except FileNotFoundError:
+        raise TornCheckpointError(
+            f"{os.fspath(checkpoint_id)!r} is not a complete checkpoint: it has no {COMPLETE_FILE}, which "
+            f"deft_compile.checkpoint.save writes once every rank's files are written, so the save that wrote it did "
+            f"not finish (a rank failed or was stopped during it); resume from an earlier checkpoint") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise TornCheckpointError(f"{os.fspath(checkpoint_id)!r}: its {COMPLETE_FILE} is unreadable ({error}); the "
+                                  f"checkpoint cannot be trusted") from None
+    problems = []
+    for name, size in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} has {path.stat().st_size} bytes, {size} when saved")
+    if problems:
+        raise TornCheckpointError(f"{os.fspath(checkpoint_id)!r} is torn: " + "; ".join(problems)
+                                  + "; resume from an earlier checkpoint")
+
+
+class _MarkingWriter(dcp.FileSystemWriter):
+    """DCP's file-system writer that marks the checkpoint complete right after the coordinator wrote the metadata
+    (``finish``), before DCP tells the other ranks the save succeeded: when ``save`` returns on any rank, the mark
+    is there."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        _mark_complete(Path(os.fspath(self.path)))
+
+
+def _mark_complete(folder: Path) -> None:
+    """Write ``COMPLETE_FILE`` naming every file of the finished save with its size (atomically: a rename)."""
+    files = {path.relative_to(folder).as_posix(): path.stat().st_size
+             for path in sorted(folder.rglob("*")) if path.is_file() and path.name != COMPLETE_FILE}
+    partial = folder / (COMPLETE_FILE + ".partial")
+    partial.write_text(json.dumps({"files": files}, indent=1))
+    os.replace(partial, folder / COMPLETE_FILE)
+
+
+def _peers_named(step: CompiledStep):
+    """DCP's collectives failing because a rank is gone raise ``PeerFailureError`` naming it."""
+    return lost_peers_named(step.process_group, step.step_count, step.config.peer_check_timeout_s)

@@ -27,6 +27,18 @@ class PeerFailureError(DeftError):
     """A collective failed or timed out; the message names the ranks that did not answer."""
 
 
+class TornCheckpointError(DeftError):
+    """A checkpoint that was not completely written (a save interrupted by a failure, a truncated copy)."""
+
+
+class ModelChangedError(DeftError):
+    """The model's parameters changed after ``deft_compile()`` (cast, moved, replaced, frozen or unfrozen)."""
+
+
+class InputChangeError(DeftError):
+    """A step failed on tensor inputs whose dtype or device changed since the last step that ran; names them."""
+
+
 class NetnsError(RuntimeError):
     """Creating, shaping, entering or deleting a network namespace, or binding gloo to an interface, failed;
     the message names the command or interface and the error."""

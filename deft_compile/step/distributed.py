@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from deft_compile.errors import ModelMismatchError, PeerFailureError
+from deft_compile.errors import DeftError, ModelMismatchError, PeerFailureError
 from deft_compile.step.pipeline import CommGroup
 
 log = logging.getLogger("deft_compile")
@@ -30,7 +31,12 @@ def set_group_context(context: Callable[[], ContextManager[Any]] | None) -> None
 
 
 def new_group(**kwargs: Any) -> dist.ProcessGroup:
-    """``torch.distributed.new_group(**kwargs)`` (a collective call) inside the registered group context."""
+    """``torch.distributed.new_group(**kwargs)`` (a collective call) inside the registered group context.
+
+    Without a ``timeout`` the group gets the default group's: torch's own default for a new gloo group is 30
+    minutes whatever the default group was created with, so a stopped peer would hold its collectives that long."""
+    if kwargs.get("timeout") is None:
+        kwargs["timeout"] = group_timeout(dist.group.WORLD)
     with _group_context():
         return dist.new_group(**kwargs)
 
@@ -154,13 +160,65 @@ def model_fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list
     return [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for name, t in named_tensors]
 
 
-def diagnose_peer_failure(exc: BaseException, group: dist.ProcessGroup, step: int, timeout_s: float) -> PeerFailureError:
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is how a collective, or the rendezvous store, reports a peer that left or did not answer
+    (torch's ``DistError`` family, gloo's and NCCL's errors, a timeout, a closed connection)."""
+    if isinstance(exc, DeftError):
+        return False
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
+@contextlib.contextmanager
+def lost_peers_named(group: dist.ProcessGroup | None, step: int | Callable[[], int],
+                     timeout_s: float) -> Iterator[None]:
+    """Turn a failed collective inside the block into ``PeerFailureError`` naming the ranks that are gone
+    (``diagnose_peer_failure``); every other exception, and a ``DeftError`` already raised, passes unchanged.
+    ``step``: the step number the survivors agree on in the store (a callable: read when the failure happens)."""
+    try:
+        yield
+    except Exception as exc:
+        if group is None or not is_collective_failure(exc):
+            raise
+        raise diagnose_peer_failure(exc, group, step() if callable(step) else step, timeout_s) from exc
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def names_lost_peers(method: _Method) -> _Method:
+    """Decorate a method of the compiled step (an object with ``groups.process_group``, ``runner.step_count`` and
+    ``config.peer_check_timeout_s``) so that any collective failing inside it, whoever issued it (the step's graph,
+    the profiler, the closed loop, the Preserver, a flush, the construction's checks and broadcast), raises
+    ``PeerFailureError`` naming the ranks that are gone."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            groups = getattr(self, "groups", None)
+            group = getattr(groups, "process_group", None)
+            if group is None or not is_collective_failure(exc):
+                raise
+            step = getattr(getattr(self, "runner", None), "step_count", 0)
+            raise diagnose_peer_failure(exc, group, step, self.config.peer_check_timeout_s) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def diagnose_peer_failure(exc: BaseException, group: dist.ProcessGroup, step: int,
+                          timeout_s: float) -> PeerFailureError:
     """Find out which ranks are gone after a collective failed, and say so.
 
     Every surviving rank writes ``deft/alive/<step>/<rank>`` into the rendezvous
     store and waits up to ``timeout_s`` for the others' keys; ranks whose key
-    never appears are named. If the store itself is unreachable, the rank that
-    hosts it (rank 0 under torchrun and ``tcp://`` init) is named.
+    never appears are named (a dead rank and a stopped one alike). If the store
+    itself is unreachable (its operations time out after the store's timeout),
+    the process that hosts it is named: rank 0 under ``tcp://`` init, torchrun's
+    agent under torchrun.
     """
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -179,7 +237,8 @@ def diagnose_peer_failure(exc: BaseException, group: dist.ProcessGroup, step: in
     except Exception as store_exc:  # noqa: BLE001 - the store failing is itself the diagnosis
         return PeerFailureError(
             f"rank {global_ranks[me]}: a collective failed in step {step} ({cause}) and the rendezvous store is "
-            f"unreachable ({type(store_exc).__name__}); the rank hosting it (rank 0) has most likely died"
+            f"unreachable ({type(store_exc).__name__}); the process hosting it (rank 0 under tcp:// or env:// "
+            f"init, torchrun's agent under torchrun) has most likely died or hung"
         )
     if missing:
         names = ", ".join(f"rank {g}" for g in missing)
@@ -192,4 +251,3 @@ def diagnose_peer_failure(exc: BaseException, group: dist.ProcessGroup, step: in
         f"ranks most likely ran different collectives (different models, inputs that change the graph on one rank, "
         f"or a collective timeout that is too short)"
     )
-
