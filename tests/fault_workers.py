@@ -19,11 +19,13 @@ import time
 import traceback
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from deft_compile import DeftConfig, checkpoint, deft_compile
 from deft_compile.planner.closed_loop import ClosedLoopConfig
 from deft_compile.preserver import PreserverConfig
 from deft_compile.preserver.monitor import PreserverMonitor
+from deft_compile.step import groups
 from deft_compile.step.closed_loop import ClosedLoop
 from models import CASES
 from workers import POLICY_OPTIONS, _named_state, synthetic_profile
@@ -85,6 +87,7 @@ def fault_run(rank: int, world_size: int, policy: str, fault: str, how: str, vic
     """Train, save a complete checkpoint after step ``SAVE_AT`` into ``folder/complete``, then let rank ``victim``
     fail (``how``: ``exit``, ``kill`` or ``stop``) where ``fault`` says:
 
+    - ``construction``: inside ``deft_compile()``, in the broadcast of rank 0's parameters;
     - ``first_step``: inside its first call, while tracing the step (no profile given: the survivor profiles);
     - ``between_steps``: right after step ``at`` returns (what the plan carries is in flight or pending);
     - ``flush``: inside ``flush()`` after step ``at``, before its flush graph's collectives;
@@ -99,9 +102,15 @@ def fault_run(rank: int, world_size: int, policy: str, fault: str, how: str, vic
     config = {"closed_loop": ClosedLoopConfig(warmup_steps=1, measure_steps=2, min_window_ms=0.0)} if measured else {}
     if fault == "preserver":  # a loss window every 2 steps: its all-reduce early
         config["preserver"] = PreserverConfig(check_every=2)
-    model, optimizer, step, batches = _build(rank, world_size, policy, compiler, measured=measured, **config)
     failing = rank == victim
     die = functools.partial(_die, how, folder)
+    report: dict = {"rank": rank, "pending_at_fault": None, "accumulated_at_fault": None}
+    if failing and fault == "construction":
+        groups.broadcast_from_rank0 = lambda *args: die()
+    try:
+        model, optimizer, step, batches = _build(rank, world_size, policy, compiler, measured=measured, **config)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        return _failure(report, exc, how, folder)
     if failing and fault == "first_step":
         model.register_forward_pre_hook(lambda *_: die())
     if failing and fault == "closed_loop":  # this process's class: the victim's closed loop
@@ -114,7 +123,6 @@ def fault_run(rank: int, world_size: int, policy: str, fault: str, how: str, vic
         run = step.lowering.run
         step.lowering.run = lambda gm, inputs, flush=False, **kw: (die() if flush else None,
                                                                     run(gm, inputs, flush=flush, **kw))[1]
-    report: dict = {"rank": rank, "pending_at_fault": None, "accumulated_at_fault": None}
     try:
         if fault in ("first_step", "closed_loop", "preserver"):
             _train(step, batches, rank, 0, STEPS)
@@ -142,14 +150,39 @@ def fault_run(rank: int, world_size: int, policy: str, fault: str, how: str, vic
         _train(step, batches, rank, at, STEPS)
         return {**report, "error": None}
     except Exception as exc:  # noqa: BLE001 - the test reads the type and message
-        raised = time.time()
-        if how == "stop":  # the stopped victim would otherwise outlive the launch
-            os.kill(_victim_pid(folder), signal.SIGKILL)
-        with open(os.path.join(folder, "fault_time")) as record:
-            seconds = raised - float(record.read())
-        cause = exc.__cause__ if exc.__cause__ is not None else exc
-        frames = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
-        return {**report, "error": f"{type(exc).__name__}: {exc}", "seconds": seconds, "frames": frames}
+        return _failure(report, exc, how, folder)
+
+
+def _failure(report: dict, exc: BaseException, how: str, folder: str) -> dict:
+    """The survivor's report: what it raised, how long after the fault, and where its own collective failed; a
+    stopped victim is killed here, as it would otherwise outlive the launch."""
+    raised = time.time()
+    if how == "stop":
+        os.kill(_victim_pid(folder), signal.SIGKILL)
+    with open(os.path.join(folder, "fault_time")) as record:
+        seconds = raised - float(record.read())
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    frames = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
+    return {**report, "error": f"{type(exc).__name__}: {exc}", "seconds": seconds, "frames": frames}
+
+
+def load_fault_run(rank: int, world_size: int, how: str, victim: int, folder: str) -> dict:
+    """Save a complete checkpoint after ``SAVE_AT`` steps, then in a new step let rank ``victim`` die inside
+    ``checkpoint.load`` (as it reads its data): what the survivor raised."""
+    if rank == victim:
+        with open(os.path.join(folder, "victim_pid"), "w") as record:
+            record.write(str(os.getpid()))
+    model, optimizer, step, batches = _build(rank, world_size, "deft", None)
+    _train(step, batches, rank, 0, SAVE_AT)
+    checkpoint.save(step, os.path.join(folder, "complete"))
+    model, optimizer, step, batches = _build(rank, world_size, "deft", None)
+    if rank == victim:
+        dcp.FileSystemReader.read_data = lambda *args, **kwargs: _die(how, folder)
+    try:
+        checkpoint.load(step, os.path.join(folder, "complete"))
+        return {"rank": rank, "error": None}
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        return _failure({"rank": rank}, exc, how, folder)
 
 
 def straight_run(rank: int, world_size: int, policy: str, folder: str, compiler: str | None = None) -> dict:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deft_compile.tools.launcher import run_local_workers
-from fault_workers import STEPS, fault_run, group_timeouts, resume_run, straight_run
+from fault_workers import STEPS, fault_run, group_timeouts, load_fault_run, resume_run, straight_run
 
 COLLECTIVE_TIMEOUT_S = 3.0  # the process group's timeout in these tests (aten route)
 # Through Inductor a rank may compile regions for longer than 3 s while the other waits in a collective: the
@@ -37,8 +37,9 @@ def _timeout(compiler: str) -> float:
 
 def _bound(how: str, compiler: str) -> float:
     """How long after the fault the survivor's error may come: a dead peer's connection closes at once, then the
-    peer check waits for the victim's key; a stopped peer is seen when the collective times out."""
-    return (_timeout(compiler) if how == "stop" else 0.0) + PEER_CHECK_S + SLACK_S
+    peer check waits for the victim's key; a stopped peer is seen when the collective times out (and a stopped store
+    host when the peer check gives up on it, a second later)."""
+    return (_timeout(compiler) + 1.0 if how == "stop" else 0.0) + PEER_CHECK_S + SLACK_S
 
 
 def _launch(fn, args: tuple, compiler: str = "aten", timeout_s: float = 120) -> list:
@@ -98,6 +99,22 @@ def _resume_and_compare(tmp_path, policy: str, compiler: str, torn: list[str] = 
 
 
 @pytest.mark.timeout(120)
+def test_rank_dies_inside_deft_compile(tmp_path):
+    """In the broadcast of rank 0's parameters that ``deft_compile()`` runs."""
+    _faulty(tmp_path, "deft", "construction", "exit", victim=1, at=0)
+
+
+@pytest.mark.timeout(120)
+def test_rank_dies_during_checkpoint_load(tmp_path):
+    started = time.monotonic()
+    results = _launch(load_fault_run, ("kill", 1, str(tmp_path)))
+    message = results[0].value["error"]
+    assert message.startswith("PeerFailureError") and "rank 1 did not respond" in message, message
+    assert results[0].value["seconds"] <= _bound("kill", "aten") and results[1].exitcode == -9
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_rank_dies_before_its_first_step_completes(tmp_path, how):
     """Inside the first call, while tracing (no profile given: the survivor profiles with collectives)."""
@@ -154,10 +171,13 @@ def test_rank_zero_dies_during_checkpoint_save(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_stopped_rank_is_reported_not_waited_on(tmp_path):
-    """SIGSTOP after a step with delayed gradients pending: the survivor's next collective times out."""
-    report = _faulty(tmp_path, "deft", "between_steps", "stop", victim=1, at=4)
-    assert "did not respond" in report["error"] and report["pending_at_fault"]
+@pytest.mark.parametrize("victim", [1, 0])
+def test_stopped_rank_is_reported_not_waited_on(tmp_path, victim):
+    """SIGSTOP after a step with delayed gradients pending: the survivor's next collective times out. Rank 0 also
+    hosts the rendezvous store, whose client then waits forever: the survivor stops asking and names rank 0."""
+    report = _faulty(tmp_path, "deft", "between_steps", "stop", victim=victim, at=4)
+    expected = "did not respond" if victim == 1 else "the rendezvous store did not answer"
+    assert expected in report["error"] and report["pending_at_fault"], report["error"]
     _resume_and_compare(tmp_path, "deft", "aten")
 
 

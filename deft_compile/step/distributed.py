@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar
@@ -216,38 +217,48 @@ def diagnose_peer_failure(exc: BaseException, group: dist.ProcessGroup, step: in
     Every surviving rank writes ``deft/alive/<step>/<rank>`` into the rendezvous
     store and waits up to ``timeout_s`` for the others' keys; ranks whose key
     never appears are named (a dead rank and a stopped one alike). If the store
-    itself is unreachable (its operations time out after the store's timeout),
-    the process that hosts it is named: rank 0 under ``tcp://`` init, torchrun's
-    agent under torchrun.
+    itself fails, or does not answer within ``timeout_s`` (a stopped host: the
+    store client's calls then wait forever, so they run on a helper thread that
+    is left behind), the process that hosts it is named: rank 0 under ``tcp://``
+    init, torchrun's agent under torchrun.
     """
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
     global_ranks = [dist.get_global_rank(group, r) for r in range(world)]
     cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"deft/alive/{step}/"
-        store.set(prefix + str(global_ranks[me]), "1")
-        deadline = time.monotonic() + timeout_s
-        missing = [g for g in global_ranks if g != global_ranks[me]]
-        while missing and time.monotonic() < deadline:
-            missing = [g for g in missing if not store.check([prefix + str(g)])]
-            if missing:
-                time.sleep(0.05)
-    except Exception as store_exc:  # noqa: BLE001 - the store failing is itself the diagnosis
-        return PeerFailureError(
-            f"rank {global_ranks[me]}: a collective failed in step {step} ({cause}) and the rendezvous store is "
-            f"unreachable ({type(store_exc).__name__}); the process hosting it (rank 0 under tcp:// or env:// "
-            f"init, torchrun's agent under torchrun) has most likely died or hung"
-        )
-    if missing:
-        names = ", ".join(f"rank {g}" for g in missing)
-        return PeerFailureError(
-            f"rank {global_ranks[me]}: a collective failed in step {step} ({cause}); {names} did not respond within "
-            f"{timeout_s:g} s and has most likely died or hung"
-        )
+    where = f"rank {global_ranks[me]}: a collective failed in step {step} ({cause})"
+    host = "the process hosting it (rank 0 under tcp:// or env:// init, torchrun's agent under torchrun)"
+    outcome: dict[str, Any] = {}
+
+    def report_and_wait() -> None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            prefix = f"deft/alive/{step}/"
+            store.set(prefix + str(global_ranks[me]), "1")
+            deadline = time.monotonic() + timeout_s
+            missing = [g for g in global_ranks if g != global_ranks[me]]
+            while missing and time.monotonic() < deadline:
+                missing = [g for g in missing if not store.check([prefix + str(g)])]
+                if missing:
+                    time.sleep(0.05)
+            outcome["missing"] = missing
+        except Exception as store_exc:  # noqa: BLE001 - the store failing is itself the diagnosis
+            outcome["store_error"] = type(store_exc).__name__
+
+    helper = threading.Thread(target=report_and_wait, name="deft-peer-check", daemon=True)
+    helper.start()
+    helper.join(timeout_s + 1.0)
+    if "store_error" in outcome:
+        return PeerFailureError(f"{where} and the rendezvous store is unreachable ({outcome['store_error']}); "
+                                f"{host} has most likely died or hung")
+    if "missing" not in outcome:
+        return PeerFailureError(f"{where} and the rendezvous store did not answer within {timeout_s:g} s; {host} "
+                                f"has most likely died or hung")
+    if outcome["missing"]:
+        names = ", ".join(f"rank {g}" for g in outcome["missing"])
+        return PeerFailureError(f"{where}; {names} did not respond within {timeout_s:g} s and has most likely died "
+                                f"or hung")
     return PeerFailureError(
-        f"rank {global_ranks[me]}: a collective failed in step {step} ({cause}); every rank is still alive, so the "
-        f"ranks most likely ran different collectives (different models, inputs that change the graph on one rank, "
-        f"or a collective timeout that is too short)"
+        f"{where}; every rank is still alive, so the ranks most likely ran different collectives (different models, "
+        f"inputs that change the graph on one rank, or a collective timeout that is too short)"
     )
