@@ -1,12 +1,14 @@
 """What the compiled step checks at call time about the model it captured and the inputs it is given, so that a
 change it cannot follow gets a clear error instead of silent wrong numbers.
 
-- The model's parameters, as ``deft_compile()`` saw them (the same objects, dtypes, devices, shapes and
-  ``requires_grad``), must be what the step finds before each call. The plan communicates the gradients of the
+- The model's parameters must keep the dtypes, devices, shapes and ``requires_grad`` that ``deft_compile()`` saw
+  (checked before each call, on the parameter objects it captured). The plan communicates the gradients of the
   parameters that required grad at ``deft_compile()``, the captured graphs run on those dtypes and devices, and the
-  optimizer state was made for them: ``model.half()``, ``model.to(other device or dtype)``, a replaced module, or a
-  parameter frozen or unfrozen afterwards raise ``ModelChangedError`` (DDP has the same limits: its buckets and
-  hooks are built at construction; unfreezing a parameter under DDP leaves its gradient un-averaged, silently).
+  optimizer state was made for them: ``model.half()``, ``model.to(other device or dtype)``, or a parameter frozen or
+  unfrozen afterwards raise ``ModelChangedError`` (DDP has the same limits: its buckets and hooks are built at
+  construction; unfreezing a parameter under DDP leaves its gradient un-averaged, silently). A module replaced
+  after ``deft_compile()`` is not looked for (walking the model on every call costs more than the step's own
+  bookkeeping): the step goes on training the parameters it captured, as DDP's hooks stay on the old ones.
 - Inputs may change shape, dtype or device between calls: the step retraces for them and runs what eager would.
   Where the step then fails (an input dtype the model cannot take, a device its parameters are not on) outside
   deft_compile's own errors, ``InputChangeError`` names the inputs that changed since the last call that ran.
@@ -39,16 +41,9 @@ class StepInputChecks:
         self._last_inputs: tuple[Any, list[tuple[torch.dtype, torch.device]]] | None = None
 
     def check_model(self) -> None:
-        """Raise ``ModelChangedError`` when the model's parameters are not the ones ``deft_compile()`` captured."""
-        params = self._params
-        current = list(self.model.parameters())
-        if len(current) != len(params) or any(p is not entry[1] for p, entry in zip(current, params)):
-            raise ModelChangedError(
-                f"the model's parameters changed after deft_compile(): {len(params)} then, {len(current)} now, or "
-                f"other tensor objects (a module added or replaced); the step, its plan and the optimizer were built "
-                f"for the parameters it captured. Change the model before deft_compile() and compile it again")
-        for name, p, dtype, device, shape, requires_grad in params:
-            if p.dtype != dtype or p.requires_grad != requires_grad or p.shape != shape or p.device != device:
+        """Raise ``ModelChangedError`` when a captured parameter's dtype, device, shape or ``requires_grad`` changed."""
+        for name, p, dtype, device, shape, requires_grad in self._params:
+            if p.dtype is not dtype or p.requires_grad is not requires_grad or p.shape != shape or p.device != device:
                 raise ModelChangedError(
                     f"parameter {name!r} is {_describe(p.dtype, p.device, p.shape, p.requires_grad)} now, "
                     f"{_describe(dtype, device, shape, requires_grad)} when deft_compile() captured it: the step's "
