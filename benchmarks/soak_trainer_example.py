@@ -9,18 +9,17 @@ that ended the rank: -6 is SIGABRT), the tail of its output, and the core files 
     nice -n 10 python benchmarks/soak_trainer_example.py --launches 50 \
         --out benchmarks/results/soak/trainer_example.json
 
-The results JSON records the command, the commit and whether the tree was clean, the date, the torch version, the
-machine, the launches and the crashes. `--source DIR` runs the example and deft_compile from another checkout (a
-clone at the commit to soak) instead of this one.
+The results JSON records its provenance (`deft_compile.tools.provenance`: the command, the commit of the checkout
+that ran and whether its tree was clean, the date, the torch version, the machine), the launches and the crashes.
+`--source DIR` runs the example and deft_compile from another checkout (a clone at the commit to soak) instead of
+this one; the provenance then names that checkout's commit and state.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -31,24 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def git(source: Path, *args: str) -> str:
-    try:
-        return subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def machine() -> dict:
-    model = ""
-    try:
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"node": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "cpu": model or platform.processor(), "cpus": os.cpu_count()}
 
 
 def rank_exit_codes(output: str) -> dict[str, int]:
@@ -105,15 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     source = args.source.resolve()
 
-    import torch
+    from deft_compile.tools.provenance import provenance
 
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": git(source, "rev-parse", "HEAD"),
-        "clean_tree": git(source, "status", "--porcelain", "--untracked-files=no") == "",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "machine": machine(),
+        "provenance": provenance(root=source),  # the commit and tree state of the checkout that ran
         "example": {"steps": args.steps, "save_steps": args.save_steps, "policy": args.policy,
                     "compiler": args.compiler, "processes": 2},
         "launches": [],
