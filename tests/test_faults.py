@@ -1,7 +1,9 @@
 """The fault matrix, with real processes (2 gloo workers): a rank dies (``os._exit``, SIGKILL) or hangs (SIGSTOP)
-before its first step completes, between steps while communication is pending across calls (ByteScheduler's and
-US-Byte's moved updates, DeFT's delayed buckets, an update period in progress), during ``flush()``, during
-``deft_compile.checkpoint.save``, and inside the closed loop's and the Preserver's all-reduces.
+inside ``deft_compile()``, before its first step completes, between steps while communication is pending across
+calls (ByteScheduler's and US-Byte's moved updates, DeFT's delayed buckets, an update period in progress), during
+``flush()``, during ``deft_compile.checkpoint.save`` and ``load``, and inside the closed loop's and the Preserver's
+all-reduces; rank 0, which hosts the rendezvous store, dies or stops. Every group the step opens times out as the
+process group does.
 
 In each case the survivor raises ``PeerFailureError`` naming the lost rank within the process group's timeout plus
 ``peer_check_timeout_s`` (nothing hangs), and a fresh pair resumes from the last complete checkpoint to the same
