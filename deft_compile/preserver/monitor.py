@@ -30,11 +30,11 @@ import torch.nn as nn
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
 from deft_compile.planner.plan import Plan, Profile
 from deft_compile.preserver.attribution import Schedule, Snapshot, kept_batch, lag_steps, loss_over, replay
+from deft_compile.preserver.admission import PlainAdmission
 from deft_compile.preserver.budget import AttributionBudget
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
-from deft_compile.planner.solvers.deft import priced_step_ms
-from deft_compile.preserver.pricing import compute_ms, priced_cost_ms
 from deft_compile.preserver.staleness import predicted_weights, same_batch_gradient_change, update_metric
+from deft_compile.preserver.trade import Trader
 from deft_compile.timing import comm_device
 
 
@@ -89,6 +89,10 @@ class PreserverMonitor:
         # copies and replays against the steps' own time (attribution_budget); why the last copy was not taken
         self.budget = AttributionBudget(self.config.attribution_budget)
         self._no_copy_because = ""
+        # the trade's decisions (preserver.trade); plain delays are admitted by a paired replay (preserver.admission)
+        admission = (PlainAdmission(self.budget, self.config.admission_steps, self.config.check_every)
+                     if preserver.plain_delays else None)
+        self.trader = Trader(step, preserver, admission, agree=self._all_rank_mean)
 
     @property
     def attribution_seconds(self) -> float:
@@ -132,6 +136,7 @@ class PreserverMonitor:
         """Called before every step: keep the weights if this step's staleness error is measured, and copy the
         state for a paired replay before the first stale step since the best loss window."""
         self._copy_before_first_stale_step()
+        self.trader.before_step()
         self._before = None
         step = self.step.step_count + 1
         if self._probe is None and not self.preserver.exhausted and self.preserver.staleness_due(step):
@@ -188,55 +193,8 @@ class PreserverMonitor:
         return {state.param_names[p]: (means[i], means[n + i]) for i, p in enumerate(watched)}, means[-1]
 
     def _trade(self, step_count: int, changes: dict[str, tuple[float, float]], probe_ms: float) -> PreserverEvent | None:
-        """Price the measured staleness, solve with the prices, switch if the schedule changes, and space
-        out the next measurement. Delays whose priced gain over the synchronous plan would not even pay
-        for probing at the longest interval are dropped (``priced_out``): the probes count in the trade."""
-        preserver = self.preserver
-        unpriced = preserver.unpriced_options()
-        synchronous_ms = self.step.solve({**unpriced, "max_staleness": 0}).predicted_iteration_ms
-        prices = preserver.trade(step_count, changes, compute_ms(self.step.profile))
-        changed, event = False, None
-        if prices is not None:
-            priced = self.step.solve(preserver.priced_options(prices))
-            price_ms = float(priced.metadata.get("staleness_price_ms", 0.0))
-            gain_ms = synchronous_ms - priced_step_ms(priced.predicted_iteration_ms, price_ms, compute_ms(self.step.profile))
-            stale = any(item.delay or item.period > 1 for item in priced.items)
-            longest = self.config.staleness_every * self.config.probe_backoff
-            priced_out = stale and gain_ms * longest < probe_ms
-            if priced_out:
-                priced = self.step.solve({**unpriced, "max_staleness": 0})
-            metrics = {"synchronous_ms": synchronous_ms, "plan_ms": priced.predicted_iteration_ms,
-                       "price_ms": price_ms, "gain_ms": gain_ms, "probe_ms": probe_ms,
-                       "total_staleness_price_ms": sum(prices[0].values()),
-                       "top_staleness_prices_ms": dict(sorted(prices[0].items(), key=lambda kv: -kv[1])[:5]),
-                       "top_update_prices_ms": dict(sorted(prices[1].items(), key=lambda kv: -kv[1])[:5])}
-            names = [param.name for param in self.step.profile.params]
-            compute = compute_ms(self.step.profile)
-            # The Preserver's own standing decision, not whatever runs this step: the closed loop's duel
-            # alternates the traded plan with the synchronous one, and comparing with its synchronous block
-            # re-traded (and restarted the duel) at every measurement.
-            standing = self.step.solve(preserver.options)
-            current_ms = priced_cost_ms(standing, names, *prices, compute)
-            candidate_ms = priced_cost_ms(priced, names, *prices, compute)
-            metrics.update(current_priced_ms=current_ms, candidate_priced_ms=candidate_ms)
-            # hysteresis: a new trade must beat the standing plan, priced the same way, by a margin of the step
-            # (prices are medians of noisy measurements; switching costs a flush and new graphs)
-            clearly_better = candidate_ms < current_ms - self.config.trade_margin * compute
-            if _schedule(priced) != _schedule(standing) and (clearly_better or priced_out):
-                delayed = sum(1 for item in priced.items if item.delay)
-                periodic = sum(1 for item in priced.items if item.period > 1)
-                reason = (f"staleness priced (κ={self.config.staleness_price:g}): {delayed} delayed and {periodic} "
-                          f"periodic of {len(priced.items)} items; predicted {priced.predicted_iteration_ms:.3g} ms + "
-                          f"price {price_ms:.3g} ms per step against {synchronous_ms:.3g} ms synchronous"
-                          + (f"; the delays gain less than their probes cost ({probe_ms:.3g} ms)" if priced_out else ""))
-                event = preserver.record_trade(step_count, prices, priced_out, metrics, reason)
-                self.step.switch_plan(preserver.options, reason)
-                changed = True
-            else:
-                preserver.adopt(prices, priced_out)
-        preserver.probes.after_measurement(step_count, changed=changed, probe_ms=probe_ms,
-                                           step_ms=self.step.plan.predicted_iteration_ms or synchronous_ms)
-        return event
+        """Price the measured staleness and decide (``deft_compile.preserver.trade``)."""
+        return self.trader.measured(step_count, changes, probe_ms)
 
     def _all_rank_mean(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=comm_device(self.step.control_group))
@@ -254,9 +212,12 @@ class PreserverMonitor:
         step_count = self.step.step_count  # steps done, including this one
         if self._probe is not None:
             return self._during_probe(value, step_count)
-        self._recent_losses = (self._recent_losses + [value])[-self.config.probe_window :]
-        self._loss_sum += value
-        self._loss_count += 1
+        # a window averages its finite losses: one NaN or inf loss (a bad batch, a term without parameters) is not
+        # the plan's divergence, a window of nothing else is (its mean is inf: a signal that steps down)
+        if math.isfinite(value):
+            self._recent_losses = (self._recent_losses + [value])[-self.config.probe_window :]
+            self._loss_sum += value
+            self._loss_count += 1
         event = None
         self._keep_since_best(args, kwargs)
         if self._before is not None and not self.step.last_call_moved_weights:
@@ -280,8 +241,11 @@ class PreserverMonitor:
             event = self.preserver.observe_staleness(step_count, errors)
             if event is not None:
                 self._apply(event, step_down=False)
+        if event is None and self.config.trade:
+            event = self.trader.after_step(args, kwargs)
         if event is None and step_count % self.config.check_every == 0:
-            means = self._all_rank_mean([self._loss_sum / self._loss_count] + self.budget.numbers())
+            mean = self._loss_sum / self._loss_count if self._loss_count else math.inf
+            means = self._all_rank_mean([mean] + self.budget.numbers())
             self._loss_sum, self._loss_count = 0.0, 0
             event = self._on_loss_window(step_count, means[0], self.budget.agreed(means[1:]))
         if (
@@ -427,7 +391,9 @@ class PreserverMonitor:
         (``lagged`` steps), each over the last ``evaluate_on`` minibatches."""
         batches, schedules, snapshot = since["batches"], since["schedules"], since["snapshot"]
         clip, model, loss_fn = self.step.config.max_grad_norm, self.step.model, self.step.loss_fn
-        stale = replay(model, snapshot, loss_fn, batches, schedules, clip, evaluate_on=evaluate_on)[len(batches)]
+        compensated = self.step.config.delayed_update == "compensated"
+        stale = replay(model, snapshot, loss_fn, batches, schedules, clip, evaluate_on=evaluate_on,
+                       compensated=compensated)[len(batches)]
         if lagged > 0:
             synchronous = replay(model, snapshot, loss_fn, batches, {}, clip, (lagged,), evaluate_on)[lagged]
         else:

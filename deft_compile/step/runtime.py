@@ -15,6 +15,7 @@ the closed loop's (``StepPlanning.after_step``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -31,7 +32,9 @@ from deft_compile.planner.plan import Plan, Profile
 from deft_compile.planner.solvers import POLICIES
 from deft_compile.preserver import Preserver
 from deft_compile.step.closed_loop import ClosedLoop
-from deft_compile.step.compensation import family_of
+from deft_compile.step.compensation import resolve_delayed_update
+from deft_compile.step.distributed import names_lost_peers
+from deft_compile.step.input_checks import StepInputChecks, checks_inputs
 from deft_compile.step.groups import StepGroups
 from deft_compile.step.loss_scaling import LossScaler
 from deft_compile.step.lowering import StepLowering
@@ -57,6 +60,7 @@ class CompiledStep:
     changed input shape or a learning-rate change never reuses a stale graph.
     """
 
+    @names_lost_peers  # a collective failing in any of these names the ranks that are gone (PeerFailureError)
     def __init__(
         self,
         model: nn.Module,
@@ -70,14 +74,16 @@ class CompiledStep:
         profile: Profile | None = None,
     ) -> None:
         check_optimizer(optimizer)
-        if config.delayed_update == "compensated":
-            family_of(optimizer)  # refuses an optimizer it cannot compensate, before anything runs
+        # the semantics this step runs ("auto" resolved for the optimizer; an explicit "compensated" it does not
+        # cover is refused before anything runs): every part reads the resolved config
+        config = dataclasses.replace(config, delayed_update=resolve_delayed_update(config.delayed_update, optimizer))
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         policy_runtime = runtime_for(policy)
         policy_runtime.check_config(policy, config)
         self.model = model
         self.optimizer = optimizer
+        self.input_checks = StepInputChecks(model)  # what each call checks (step/input_checks.py)
         self.loss_fn = loss_fn
         self.policy = policy
         self.policy_runtime: PolicyRuntime = policy_runtime  # what the policy does between steps
@@ -98,6 +104,8 @@ class CompiledStep:
         if self.groups.comm_group is not None:  # the ranks of one host compile each region once between them
             self.lowering.share_compiles(self.groups.comm_group.rank, self.groups.comm_group.world_size)
 
+    @names_lost_peers
+    @checks_inputs  # the model as captured; a failure on changed inputs names them (step/input_checks.py)
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         runner, planning = self.runner, self.planning
         if not runner.items and (self.comm_group is not None or self.config.accumulation_steps > 1):
@@ -135,6 +143,12 @@ class CompiledStep:
         return self.planning.plan_switches
 
     @property
+    def delayed_update(self) -> str:
+        """The delayed semantics this step runs: ``"compensated"``, ``"averaged"`` or ``"local"``
+        (``DeftConfig.delayed_update``, with ``"auto"`` resolved for the optimizer)."""
+        return self.config.delayed_update
+
+    @property
     def closed_loop(self) -> ClosedLoop | None:
         """Closed-loop planning (``step.closed_loop``), where it runs."""
         return self.planning.closed_loop
@@ -144,6 +158,7 @@ class CompiledStep:
         """The Preserver watching this step's plan (policies it watches, with a process group), or None."""
         return self.planning.preserver
 
+    @names_lost_peers
     def switch_plan(self, options: dict[str, Any], reason: str, plan: Plan | None = None, record: bool = True) -> None:
         """Re-solve with ``options`` (or take ``plan``) and use it from the next step; pending gradients are flushed first.
 
@@ -280,6 +295,7 @@ class CompiledStep:
             "captures": self.runner.capture_count,
         }
 
+    @names_lost_peers
     def flush(self) -> None:
         """Apply every pending update now (delayed gradients, updates deferred to the next forward).
 
