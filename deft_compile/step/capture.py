@@ -25,7 +25,7 @@ import itertools
 import linecache
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -146,6 +146,18 @@ def join_user_inputs(tensors: list[torch.Tensor], constants: list[Any], spec: py
     return pytree.tree_unflatten(leaves, spec)
 
 
+def _initial_state(optimizer: torch.optim.Optimizer, model_state: ModelState, state_inputs: list[StateSlot],
+                   states: Sequence[torch.Tensor]) -> dict[int, dict[str, Any]]:
+    """Each parameter's optimizer state as the traced step starts: the state tensors entering as graph inputs and
+    the non-tensor entries (step counts kept as Python numbers)."""
+    initial: dict[int, dict[str, Any]] = {i: {} for i in range(len(model_state.params))}
+    for slot, tensor in zip(state_inputs, states):
+        initial[slot[0]][slot[1]] = tensor
+    for i, entries in _non_tensor_state(optimizer, model_state).items():
+        initial[i].update(entries)
+    return initial
+
+
 def capture_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -220,11 +232,7 @@ def capture_step(
             else:
                 ((loss / accumulation_steps if accumulation_steps > 1 else loss) * scale).backward()
         _mark_gradients(params, scale, accumulation_steps)
-        initial = {i: {} for i in range(num_params)}
-        for slot, tensor in zip(state_inputs, states):
-            initial[slot[0]][slot[1]] = tensor
-        for i, entries in _non_tensor_state(optimizer, model_state).items():
-            initial[i].update(entries)
+        initial = _initial_state(optimizer, model_state, state_inputs, states)
         state_input_ids = {id(t) for t in states}
         with tracker.active("optimizer.step"), traceable_optimizer(optimizer, params, index_of, initial, rates) as traced:
             optimizer.step()

@@ -23,6 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from deft_compile.step.region_keys import structure_key
+
 #: ops that make a tensor of their input's shape without being tagged point-wise
 _LIKE_OPS = {
     torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default,
@@ -146,7 +148,5 @@ def _elementwise(node: fx.Node) -> bool:
 
 
 def _shapeless_key(graph: fx.Graph, shape: tuple[int, ...]) -> str:
-    """``regions.structure_key`` with the shared shape written as ``*``: the same optimizer form, any parameter."""
-    from deft_compile.step.regions import structure_key
-
+    """``structure_key`` with the shared shape written as ``*``: the same optimizer form, any parameter."""
     return hashlib.sha256(("flat|" + structure_key(graph, hide_shape=shape)).encode()).hexdigest()[:24]

@@ -618,7 +618,8 @@ class StepLowering:
                         key: str | None = None) -> Callable[..., Any]:
         """Compile one region for ``inputs`` (``symbolic``: fake inputs with symbolic sizes, used as they are);
         ``key``: what the compile serves, if not the segment's structure alone (a flat update's optimizer form)."""
-        from deft_compile.step.regions import input_signature, recorded_inputs
+        from deft_compile.step.region_keys import input_signature
+        from deft_compile.step.regions import recorded_inputs
 
         module = segment.module
         examples = recorded_inputs(segment)

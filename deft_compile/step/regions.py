@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 import logging
 import operator
 import time
@@ -41,6 +40,8 @@ from torch.fx._lazy_graph_module import _make_graph_module
 
 from deft_compile.ir.layout import layout_of
 from deft_compile.step.annotate import annotate
+from deft_compile.step.flat_updates import FlatUpdate, flat_callable
+from deft_compile.step.region_keys import input_signature, structure_key
 
 log = logging.getLogger("deft_compile")
 
@@ -416,44 +417,6 @@ def _scalar(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     return node.target(*args, **kwargs)
 
 
-def structure_key(graph: fx.Graph, hide_shape: tuple[int, ...] | None = None) -> str:
-    """A digest of a graph's structure: each node's op, target and arguments (other nodes by position, constants
-    by value), not its names, so two layers of the same shape and code get one key. ``hide_shape``: placeholders
-    of that shape are written with ``*`` for it (``flat_updates``: one key for every parameter's update)."""
-    position: dict[fx.Node, int] = {}
-    lines = []
-
-    def describe(value: Any) -> Any:
-        if isinstance(value, fx.Node):
-            return f"%{position[value]}"
-        if isinstance(value, (list, tuple)):
-            return type(value)(describe(v) for v in value)
-        if isinstance(value, dict):
-            return {k: describe(v) for k, v in value.items()}
-        return repr(value)
-
-    for node in graph.nodes:
-        position[node] = len(position)
-        target = node.target
-        if node.op == "placeholder":
-            value = node.meta.get("val")
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
-            if shape is not None and hide_shape is not None and shape == hide_shape:
-                shape = "*"
-            target = (shape, str(value.dtype)) if isinstance(value, torch.Tensor) else type(value).__name__
-        lines.append(f"{node.op}|{target}|{describe(node.args)}|{describe(dict(node.kwargs))}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
-
-
-def input_signature(values: Sequence[Any]) -> tuple:
-    """What a compiled region is specialised on besides its structure: each input's shape, stride, dtype and
-    device (tensors), or its type (anything else)."""
-    return tuple(
-        (tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else type(v).__name__
-        for v in values
-    )
-
-
 # -- compiling and running ---------------------------------------------------------------------------------
 
 
@@ -513,8 +476,6 @@ class RegionCache:
         return flat.key if flat is not None else segment.key
 
     def _flat_form(self, segment: Segment) -> Any:
-        from deft_compile.step.flat_updates import FlatUpdate
-
         flat = self._flat_forms.get(segment.key, False)
         if flat is False:
             flat = self._flat_forms[segment.key] = FlatUpdate.of(segment)
@@ -522,8 +483,6 @@ class RegionCache:
 
     def _flat(self, segment: Segment, inputs: Sequence[Any]) -> Callable[..., Any] | None:
         """The region run flattened on the one compile of its optimizer form (``flat_updates``), if it can be."""
-        from deft_compile.step.flat_updates import flat_callable
-
         flat = self._flat_form(segment)
         if flat is None or not flat.conforms(inputs):
             return None

@@ -199,6 +199,15 @@ def _warmed_up_alike(name: str, steps: int, control: Any) -> None:
                            f"({-counts[1].item():.0f} to {counts[0].item():.0f}): a decision was not agreed")
 
 
+def _progress_bar(cfg: dict[str, Any], variants: int) -> Any:
+    """Rank 0's progress bar over every step the run takes (warm-ups and timed blocks of all variants)."""
+    from tqdm import tqdm
+
+    total = variants * (cfg["warmup"] + cfg["rounds"] * (cfg["block"] + 1))
+    return tqdm(total=total, desc=cfg.get("label", "bench"), unit="step", file=sys.stderr, dynamic_ncols=True,
+                leave=True)
+
+
 def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank of one (model, network) configuration: every variant, interleaved. Returns plain data."""
     import torch
@@ -223,14 +232,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
 
     runners, models, compiled = _variants(cfg, preset, base, solo, bound_group, grad_bytes)
 
-    progress = None
-    if rank == 0 and cfg["progress"]:
-        from tqdm import tqdm
-
-        total = len(runners) * (cfg["warmup"] + cfg["rounds"] * (cfg["block"] + 1))
-        progress = tqdm(total=total, desc=cfg.get("label", "bench"), unit="step", file=sys.stderr,
-                        dynamic_ncols=True, leave=True)
-
+    progress = _progress_bar(cfg, len(runners)) if rank == 0 and cfg["progress"] else None
     counters = {name: 0 for name in runners}
     losses: dict[str, list[float]] = {name: [] for name in runners}
 
