@@ -16,6 +16,10 @@ call from the first. A launch is *cold* when Inductor's caches start empty (a fr
 * ``--compare-lowering``: the steady step of regional lowering against whole-graph lowering (``inductor-graph``),
   both in one process pair, interleaved blocks after both compiled.
 
+``--variants deft,torch.compile`` also launches the anchor, ``torch.compile(DistributedDataParallel(model))`` with
+the eager optimizer on the same model, data and steps, timed the same way (its stalls are its compiles and
+recompiles), alternating the order across launches; every launch records its processes' peak resident memory.
+
 Models: ``transformer``: GPT-2 layout, 6 blocks x 256, vocab 4096, context 128, batch 8, AdamW; ``cnn``: a ResNet
 (4 stages x 2 basic blocks, BatchNorm) on 32x32 images, batch 16, SGD momentum 0.9.
 """
@@ -78,10 +82,42 @@ def first_steps_worker(rank: int, world_size: int, model: str, steps: int) -> di
         times.append(time.perf_counter() - begun)
         switched.append(step.plan_switches != switches)
         traced.append(step.trace_count != traces)
+    import resource
+
     return {"construct_s": construct_s, "times": times, "switched": switched, "traced": traced,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "overheads": dict(step.overheads), "compiles": len(step.lowering.history),
             "compile_history": step.lowering.history[-40:], "plan_history": step.plan_history,
             "delayed_items": sum(1 for item in step.plan.items if item.delay), "compiler": step.compiler}
+
+
+def torch_compile_worker(rank: int, world_size: int, model: str, steps: int) -> dict[str, Any]:
+    """One rank of the anchor: ``torch.compile(DistributedDataParallel(model))`` with the eager optimizer, the same
+    model, data and steps, every call timed from the first."""
+    import resource
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    net, optimizer, loss_fn, batches = build(model, rank, steps)
+    started = time.perf_counter()
+    compiled = torch.compile(DistributedDataParallel(net))
+    construct_s = time.perf_counter() - started
+    times = []
+    for args in batches:
+        begun = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        out = compiled(*args[:1]) if loss_fn is not None else compiled(*args)
+        loss = loss_fn(out, args[1]) if loss_fn is not None else out
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - begun)
+    from torch._dynamo.utils import counters
+
+    return {"construct_s": construct_s, "times": times, "switched": [False] * len(times),
+            "traced": [False] * len(times), "overheads": {}, "compiles": int(counters["stats"]["unique_graphs"]),
+            "plan_history": [], "delayed_items": 0, "compiler": "torch.compile",
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def summarise(value: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +138,8 @@ def summarise(value: dict[str, Any]) -> dict[str, Any]:
             "compile_s": over.get("compile_seconds"), "planning_s": over.get("planning_seconds"),
             "graph_s": over.get("graph_seconds"), "probe_s": over.get("probe_seconds"),
             "compiles": value["compiles"], "graphs": over.get("graphs"), "delayed_items": value["delayed_items"],
-            "compiler": value["compiler"], "first_steps_ms": [round(t * 1e3) for t in times[:6]]}
+            "compiler": value["compiler"], "first_steps_ms": [round(t * 1e3) for t in times[:6]],
+            "peak_rss_mib": value.get("peak_rss_mib")}
 
 
 def lowering_worker(rank: int, world_size: int, model: str, rounds: int, block: int) -> dict[str, Any]:
@@ -130,11 +167,12 @@ def lowering_worker(rank: int, world_size: int, model: str, rounds: int, block: 
     return {"samples_ms": samples, "ratios": ratios, "compilers": {c: s.compiler for c, s in steps.items()}}
 
 
-def launch(model: str, steps: int, cache_dir: str) -> dict[str, Any]:
+def launch(model: str, steps: int, cache_dir: str, variant: str = "deft") -> dict[str, Any]:
     from deft_compile.tools.launcher import run_local_workers
 
     env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    results = run_local_workers(first_steps_worker, 2, (model, steps), timeout_s=3600, collective_timeout_s=600,
+    worker = first_steps_worker if variant == "deft" else torch_compile_worker
+    results = run_local_workers(worker, 2, (model, steps), timeout_s=3600, collective_timeout_s=600,
                                 env=env, start_method="spawn")
     return {"rank0": summarise(results[0].value), "rank1": summarise(results[1].value),
             "plan_history": results[0].value["plan_history"]}
@@ -146,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=3, help="cold launches per model (each followed by a warm one)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--compare-lowering", action="store_true", help="also regional vs whole-graph steady step")
+    parser.add_argument("--variants", default="deft",
+                        help="deft (deft_compile's defaults) and/or torch.compile (torch.compile(DDP(model)) with the "
+                             "eager optimizer), each launch in turn, order alternating across launches")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--block", type=int, default=5)
     parser.add_argument("--out", default="first_steps_out")
@@ -163,28 +204,36 @@ def main(argv: list[str] | None = None) -> int:
     report["provenance"] = provenance(command=report["command"])
     for model in args.models.split(","):
         runs = []
+        variants = [v for v in args.variants.split(",") if v]
         for index in range(args.launches):
-            with tempfile.TemporaryDirectory(prefix="deft-inductor-cache-") as fresh:
-                cache = args.cache_dir or fresh
-                for mode in [m for m in args.modes.split(",") if m] if not args.cache_dir else ("warm",):
-                    started = time.perf_counter()
-                    result = launch(model, args.steps, cache)
-                    result.update(mode=mode, launch=index, seconds=time.perf_counter() - started)
-                    runs.append(result)
-                    r = result["rank0"]
-                    print(f"{model} {mode} #{index}: wall {r['wall_s']:.1f} s, median step {r['median_step_ms']:.1f} "
-                          f"ms, stalls {r['stall_share']:.0%} ({r['stall_steps']} steps), compile {r['compile_s']:.1f} s,"
-                          f" {r['compiles']} regions, planning {r['planning_s']:.1f} s, graphs {r['graph_s']:.1f} s, "
-                          f"re-plans (steps) {r['replan_steps']}", flush=True)
-                    (out / "first_steps.json").write_text(json.dumps(report | {"partial": {model: runs}}, indent=1))
+            order = variants if index % 2 == 0 else list(reversed(variants))
+            for variant in order:
+                with tempfile.TemporaryDirectory(prefix="deft-inductor-cache-") as fresh:
+                    cache = args.cache_dir or fresh
+                    for mode in [m for m in args.modes.split(",") if m] if not args.cache_dir else ("warm",):
+                        started = time.perf_counter()
+                        result = launch(model, args.steps, cache, variant)
+                        result.update(mode=mode, launch=index, variant=variant, seconds=time.perf_counter() - started)
+                        runs.append(result)
+                        r = result["rank0"]
+                        print(f"{model} {variant} {mode} #{index}: wall {r['wall_s']:.1f} s, median step "
+                              f"{r['median_step_ms']:.1f} ms, stalls {r['stall_share']:.0%} ({r['stall_steps']} steps), "
+                              f"compile {r['compile_s'] or 0:.1f} s, {r['compiles']} compiles, peak RSS "
+                              f"{r['peak_rss_mib']:.0f} MiB, re-plans (steps) {r['replan_steps']}", flush=True)
+                        (out / "first_steps.json").write_text(json.dumps(report | {"partial": {model: runs}}, indent=1))
         report["models"][model] = {"runs": runs}
-        for mode in sorted({r["mode"] for r in runs}):
-            rows = [r["rank0"] for r in runs if r["mode"] == mode]
-            report["models"][model][mode] = {
-                key: statistics.median(row[key] for row in rows)
-                for key in ("wall_s", "median_step_ms", "stall_share", "worst_replan_steps", "compile_s")}
-            report["models"][model][mode]["spread_stall_share"] = [min(r["stall_share"] for r in rows),
-                                                                   max(r["stall_share"] for r in rows)]
+        for variant in variants:
+            for mode in sorted({r["mode"] for r in runs}):
+                rows = [r["rank0"] for r in runs if r["mode"] == mode and r["variant"] == variant]
+                name = mode if variant == "deft" else f"{variant} {mode}"
+                report["models"][model][name] = {
+                    key: statistics.median(row[key] or 0.0 for row in rows)
+                    for key in ("wall_s", "median_step_ms", "stall_share", "worst_replan_steps", "compile_s",
+                                "peak_rss_mib")}
+                report["models"][model][name]["spread_stall_share"] = [min(r["stall_share"] for r in rows),
+                                                                       max(r["stall_share"] for r in rows)]
+                report["models"][model][name]["spread_wall_s"] = [min(r["wall_s"] for r in rows),
+                                                                  max(r["wall_s"] for r in rows)]
         if args.compare_lowering:
             from deft_compile.tools.launcher import run_local_workers
 
