@@ -96,10 +96,10 @@ def sequence_worker(variant: str) -> dict[str, Any]:
     return result
 
 
-def run_sequence(launches: int) -> list[dict[str, Any]]:
+def run_sequence(launches: int, variants: tuple[str, ...] = SEQUENCE_VARIANTS) -> list[dict[str, Any]]:
     runs = []
     for launch in range(launches):
-        order = SEQUENCE_VARIANTS[launch % len(SEQUENCE_VARIANTS):] + SEQUENCE_VARIANTS[:launch % len(SEQUENCE_VARIANTS)]
+        order = variants[launch % len(variants):] + variants[:launch % len(variants)]
         for variant in order:
             with tempfile.TemporaryDirectory(prefix="deft-shapes-cache-") as cache:
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
@@ -118,7 +118,7 @@ def run_sequence(launches: int) -> list[dict[str, Any]]:
 
 def summarise_sequence(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
-    for variant in SEQUENCE_VARIANTS:
+    for variant in dict.fromkeys(r["variant"] for r in runs):
         rows = [r for r in runs if r["variant"] == variant]
         walls = [r["wall_s"] for r in rows]
         summary[variant] = {"wall_s_median": statistics.median(walls), "wall_s_range": [min(walls), max(walls)],
@@ -127,7 +127,7 @@ def summarise_sequence(runs: list[dict[str, Any]]) -> dict[str, Any]:
             summary[variant].update(captures=[r["captures"] for r in rows],
                                     max_compiles_per_region=[r["max_compiles_per_region"] for r in rows])
     references = {r["launch"]: r["losses"] for r in runs if r["variant"] == "deft-aten"}
-    for variant in ("deft", "deft-graph"):
+    for variant in [v for v in ("deft", "deft-graph") if v in summary]:
         worst = [max(abs(a - b) / abs(b) for a, b in zip(r["losses"], references[r["launch"]]))
                  for r in runs if r["variant"] == variant and r["launch"] in references]
         summary[variant]["worst_loss_rel_vs_aten"] = max(worst, default=None)
@@ -196,12 +196,12 @@ def trainer_worker(rank: int, world_size: int, variant: str, steps: int, output_
     return result
 
 
-def run_trainer(launches: int, steps: int) -> list[dict[str, Any]]:
+def run_trainer(launches: int, steps: int, variants: tuple[str, ...] = TRAINER_VARIANTS) -> list[dict[str, Any]]:
     from deft_compile.tools.launcher import run_local_workers
 
     runs = []
     for launch in range(launches):
-        order = TRAINER_VARIANTS[launch % len(TRAINER_VARIANTS):] + TRAINER_VARIANTS[:launch % len(TRAINER_VARIANTS)]
+        order = variants[launch % len(variants):] + variants[:launch % len(variants)]
         for variant in order:
             with tempfile.TemporaryDirectory(prefix="deft-shapes-cache-") as cache, \
                     tempfile.TemporaryDirectory(prefix="deft-shapes-trainer-") as output:
@@ -218,7 +218,7 @@ def run_trainer(launches: int, steps: int) -> list[dict[str, Any]]:
 def summarise_trainer(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
     references = {r["launch"]: r["losses"] for r in runs if r["variant"] == "trainer"}
-    for variant in TRAINER_VARIANTS:
+    for variant in dict.fromkeys(r["variant"] for r in runs):
         rows = [r for r in runs if r["variant"] == variant]
         trains = [r["train_s"] for r in rows]
         worst = [max(abs(a - b) / abs(b) for a, b in zip(r["losses"], references[r["launch"]])) for r in rows
@@ -230,12 +230,19 @@ def summarise_trainer(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def _chosen(names: str | None, variants: tuple[str, ...]) -> tuple[str, ...]:
+    """The part's variants that ``--variants`` names, in the part's order (all of them without ``--variants``)."""
+    return variants if not names else tuple(v for v in variants if v in names.split(","))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("all", "sequence", "trainer"), default="all")
     parser.add_argument("--launches", type=int, default=1, help="launches of each variant (rotating order)")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps of the trainer part")
     parser.add_argument("--out", default="shapes_out")
+    parser.add_argument("--variants", help="a comma-separated subset of the part's variants (default: all of them; "
+                        "the losses compare with deft-aten's and the plain trainer's where those run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -247,11 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"provenance": provenance(), "lengths": LENGTHS}
     if args.part in ("all", "sequence"):
-        runs = run_sequence(args.launches)
+        runs = run_sequence(args.launches, _chosen(args.variants, SEQUENCE_VARIANTS))
         report["sequence"] = {"runs": runs, "summary": summarise_sequence(runs)}
         (out / "shapes.json").write_text(json.dumps(report, indent=1))
     if args.part in ("all", "trainer"):
-        runs = run_trainer(args.launches, args.steps)
+        runs = run_trainer(args.launches, args.steps, _chosen(args.variants, TRAINER_VARIANTS))
         report["trainer"] = {"runs": runs, "summary": summarise_trainer(runs)}
     (out / "shapes.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({part: report[part]["summary"] for part in ("sequence", "trainer") if part in report}, indent=1))

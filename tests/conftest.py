@@ -10,9 +10,11 @@ lowering's own tests (tests/test_inductor.py, tests/test_regions.py, tests/test_
 (tests/test_readme_demo.py) and the tests elsewhere that name ``compiler="inductor"`` run it too.
 ``DEFT_COMPILER=inductor python -m pytest`` runs every test through Inductor (slow: seconds of compile per region).
 
-Lanes. ``python -m pytest -q`` runs every test (CI: .ci/run). ``python -m pytest -q -m "not slow"`` is the fast local
-lane: it leaves out the tests marked ``slow`` (pyproject.toml): cold Inductor compiles, package installs, long
-training runs.
+Lanes. ``python -m pytest -q`` runs every test (CI: .ci/run), in two pytest-xdist workers, a test file per worker
+at a time (``-n 2 --dist loadfile`` in pyproject.toml: a file's module fixtures are built once; ``-n 0`` runs in
+this process). ``python -m pytest -q -m "not slow"`` is the fast local lane: it leaves out the tests marked
+``slow`` (``SLOW_MODULES`` and every test whose id names ``inductor`` or the ``default_route``): Inductor
+compiles, package installs, torchrun launches, benchmark scripts run end to end and the fault matrix's timeouts.
 
 Workers. The suite launches about a hundred pairs of gloo workers. Spawned, each worker starts an interpreter and
 imports torch, deft_compile and the test helpers (3-4 s a launch on the 2-core CI host); forked from one server that
@@ -28,6 +30,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("DEFT_COMPILER", "aten")
+
 _ROOT = Path(__file__).resolve().parents[1]
 for _folder in (_ROOT / "benchmarks", _ROOT / "examples"):
     if str(_folder) not in sys.path:
@@ -41,3 +44,22 @@ if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
         "trainer_workers", "hf_models", "models", "shape_workers", "shapes", "transformers", "deft_compile.integrations.transformers", "deft_compile.tools.bench",
         "deft_compile.tools.demo", "tta",
     ])
+
+
+#: test files the fast lane leaves out: they compile with Inductor, launch torchrun, run a benchmark script end to
+#: end or wait out peers' timeouts (the fault matrix)
+SLOW_MODULES = {"test_default_route.py", "test_examples.py", "test_inductor.py", "test_regions.py",
+                "test_flat_updates.py", "test_readme_demo.py", "test_gpu_check.py", "test_bf16_tracks_eager.py",
+                "test_hf_inductor_regions.py", "test_shapes.py", "test_bench.py", "test_suite_quick.py",
+                "test_overhead_bench.py", "test_dssync_dlcp_bench.py", "test_time_to_accuracy.py", "test_faults.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` what compiles with Inductor: the files in ``SLOW_MODULES`` and every test whose id names
+    ``inductor`` or the ``default_route``."""
+    import pytest
+
+    for item in items:
+        name = item.nodeid.split("::", 1)[-1].lower()
+        if item.path.name in SLOW_MODULES or "inductor" in name or "default_route" in name:
+            item.add_marker(pytest.mark.slow)

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 50
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("compiler", ["aten", "inductor"])
 def test_synchronous_deft_tracks_eager_under_bf16_through_the_trial_plans(tmp_path: Path, compiler: str) -> None:
@@ -51,3 +52,4 @@ def test_synchronous_deft_tracks_eager_under_bf16_through_the_trial_plans(tmp_pa
     assert abs(ratio - 1.0) <= 0.01
     assert {"bytescheduler", "usbyte", "wfbp"} <= {policy for _, policy in data["forced_plans"]}
     assert len(data["deft_losses"]) == STEPS and len(data["eager_losses"]) == STEPS
+    assert (tmp_path / "accuracy.png").exists()

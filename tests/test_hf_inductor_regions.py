@@ -1,15 +1,16 @@
 """``transformers`` models under Inductor: every region compiles, and the numbers are the aten route's.
 
-GPT-2, BERT and Llama from tiny configs (``hf_models.build_hf_model``: random weights, nothing downloaded), each
-with its eager and its SDPA attention, train a few SGD steps in one process on the default regional route
-(``compiler="inductor"``) and on the whole-graph route (``"inductor-graph"``). No region and no graph may fall
+GPT-2, BERT and Llama from tiny configs (``hf_models.build_hf_model``: random weights, nothing downloaded) train a
+few SGD steps in one process: each with its eager and its SDPA attention on the default regional route
+(``compiler="inductor"``), and each with SDPA, ``transformers``' default, on the whole-graph route
+(``"inductor-graph"``). No region and no graph may fall
 back to aten (``step.lowering.history``, ``lowering.lowered_counts``), and the losses and parameters must track
 the aten route's to float32 round-off (Dropout draws the same numbers on every route). Two graph-level checks
 pin the rules that make this hold (passes/README.md, "Before Inductor"): a ``cat`` with one non-empty input
 keeps ATen's layout (``pin_cat_layouts``), and a Bernoulli mask is drawn before its readers run
 (``draw_bernoulli_out_of_place``).
 
-The twelve trained routes are marked slow: each compiles a step with Inductor (minutes in all on a 2-core host
+The nine trained routes are marked slow: each compiles a step with Inductor (minutes in all on a 2-core host
 with a cold Inductor cache). The two graph-level checks take about a second.
 """
 
@@ -42,8 +43,13 @@ def _train(model: torch.nn.Module, batches: list[dict], compiler: str):
     return step, losses
 
 
-@pytest.fixture(scope="module", params=[(f, a) for f in ("gpt2", "bert", "llama") for a in ("eager", "sdpa")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+#: (family, attention, compiler): each family and attention on the regional default, and each family's default
+#: attention (SDPA) through the whole-graph lowering
+ROUTES = ([(f, a, "inductor") for f in ("gpt2", "bert", "llama") for a in ("eager", "sdpa")]
+          + [(f, "sdpa", "inductor-graph") for f in ("gpt2", "bert", "llama")])
+
+
+@pytest.fixture(scope="module")
 def reference(request):
     """The model, its batches and the aten route's losses and parameters."""
     family, attention = request.param
@@ -58,7 +64,8 @@ def reference(request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compiler", ["inductor", "inductor-graph"])
+@pytest.mark.parametrize(("reference", "compiler"), [((f, a), c) for f, a, c in ROUTES], indirect=["reference"],
+                         ids=[f"{f}-{a}-{c}" for f, a, c in ROUTES])
 def test_every_region_compiles_and_tracks_the_aten_route(reference, compiler):
     start, batches, aten_losses, aten_trained = reference
     model = copy.deepcopy(start)
