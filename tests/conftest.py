@@ -54,11 +54,20 @@ SLOW_MODULES = {"test_default_route.py", "test_examples.py", "test_inductor.py",
                 "test_overhead_bench.py", "test_dssync_dlcp_bench.py", "test_time_to_accuracy.py", "test_faults.py"}
 
 
+#: the longest test files, longest first: they run first, so that the two workers finish together (a file per
+#: worker at a time; the longest left for last would run alone)
+LONGEST_FIRST = ["test_shapes.py", "test_hf_inductor_regions.py", "test_default_route.py", "test_bf16_tracks_eager.py",
+                 "test_delayed.py", "test_examples.py", "test_gpu_check.py", "test_inductor.py", "test_regions.py",
+                 "test_readme_demo.py", "test_faults.py", "test_bench.py", "test_bad_inputs.py"]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark ``slow`` what compiles with Inductor: the files in ``SLOW_MODULES`` and every test whose id names
-    ``inductor`` or the ``default_route``."""
+    """Run the longest files first (``LONGEST_FIRST``, then collection order); mark ``slow`` what compiles with
+    Inductor: the files in ``SLOW_MODULES`` and every test whose id names ``inductor`` or the ``default_route``."""
     import pytest
 
+    order = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    items[:] = sorted(items, key=lambda item: order.get(item.path.name, len(order)))  # stable: collection order kept
     for item in items:
         name = item.nodeid.split("::", 1)[-1].lower()
         if item.path.name in SLOW_MODULES or "inductor" in name or "default_route" in name:
