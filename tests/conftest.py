@@ -10,11 +10,12 @@ lowering's own tests (tests/test_inductor.py, tests/test_regions.py, tests/test_
 (tests/test_readme_demo.py) and the tests elsewhere that name ``compiler="inductor"`` run it too.
 ``DEFT_COMPILER=inductor python -m pytest`` runs every test through Inductor (slow: seconds of compile per region).
 
-Lanes. ``python -m pytest -q`` runs every test (CI: .ci/run), in two pytest-xdist workers, a test file per worker
-at a time (``-n 2 --dist loadfile`` in pyproject.toml: a file's module fixtures are built once; ``-n 0`` runs in
-this process). ``python -m pytest -q -m "not slow"`` is the fast local lane: it leaves out the tests marked
-``slow`` (``SLOW_MODULES`` and every test whose id names ``inductor`` or the ``default_route``): Inductor
-compiles, package installs, torchrun launches, benchmark scripts run end to end and the fault matrix's timeouts.
+Lanes. ``python -m pytest -q`` runs every test (CI: .ci/run), in two pytest-xdist workers, a test file per worker at
+a time, in the order collected (``-n 2 --dist loadfile --no-loadscope-reorder`` in pyproject.toml: a file's module
+fixtures are built once; ``-n 0`` runs in this process). ``python -m pytest -q -m "not slow"`` is the fast local
+lane: it leaves out the tests marked ``slow`` (``SLOW_MODULES`` and every test whose id names ``inductor`` or the
+``default_route``): Inductor compiles, package installs, torchrun launches, benchmark scripts run end to end and the
+fault matrix's timeouts.
 
 Workers. The suite launches about a hundred pairs of gloo workers. Spawned, each worker starts an interpreter and
 imports torch, deft_compile and the test helpers (3-4 s a launch on the 2-core CI host); forked from one server that
