@@ -11,11 +11,11 @@ lowering's own tests (tests/test_inductor.py, tests/test_regions.py, tests/test_
 ``DEFT_COMPILER=inductor python -m pytest`` runs every test through Inductor (slow: seconds of compile per region).
 
 Lanes. ``python -m pytest -q`` runs every test (CI: .ci/run), in two pytest-xdist workers, a test file per worker at
-a time, in the order collected (``-n 2 --dist loadfile --no-loadscope-reorder`` in pyproject.toml: a file's module
-fixtures are built once; ``-n 0`` runs in this process). ``python -m pytest -q -m "not slow"`` is the fast local
-lane: it leaves out the tests marked ``slow`` (``SLOW_MODULES`` and every test whose id names ``inductor`` or the
-``default_route``): Inductor compiles, package installs, torchrun launches, benchmark scripts run end to end and the
-fault matrix's timeouts.
+a time (``-n 2 --dist loadfile`` in pyproject.toml: a file's module fixtures are built once; xdist hands out the
+files with the most tests first; ``-n 0`` runs in this process). ``python -m pytest -q -m "not slow"`` is the fast
+local lane: it leaves out the tests marked ``slow`` (``SLOW_MODULES`` and every test whose id names ``inductor`` or
+the ``default_route``): Inductor compiles, package installs, torchrun launches, benchmark scripts run end to end and
+the fault matrix's timeouts.
 
 Workers. The suite launches about a hundred pairs of gloo workers. Spawned, each worker starts an interpreter and
 imports torch, deft_compile and the test helpers (3-4 s a launch on the 2-core CI host); forked from one server that
@@ -55,20 +55,11 @@ SLOW_MODULES = {"test_default_route.py", "test_examples.py", "test_inductor.py",
                 "test_overhead_bench.py", "test_dssync_dlcp_bench.py", "test_time_to_accuracy.py", "test_faults.py"}
 
 
-#: the longest test files, longest first: they run first, so that the two workers finish together (a file per
-#: worker at a time; the longest left for last would run alone)
-LONGEST_FIRST = ["test_shapes.py", "test_hf_inductor_regions.py", "test_default_route.py", "test_bf16_tracks_eager.py",
-                 "test_delayed.py", "test_examples.py", "test_gpu_check.py", "test_inductor.py", "test_regions.py",
-                 "test_readme_demo.py", "test_faults.py", "test_bench.py", "test_bad_inputs.py"]
-
-
 def pytest_collection_modifyitems(config, items):
-    """Run the longest files first (``LONGEST_FIRST``, then collection order); mark ``slow`` what compiles with
-    Inductor: the files in ``SLOW_MODULES`` and every test whose id names ``inductor`` or the ``default_route``."""
+    """Mark ``slow`` what compiles with Inductor: the files in ``SLOW_MODULES`` and every test whose id names
+    ``inductor`` or the ``default_route``."""
     import pytest
 
-    order = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
-    items[:] = sorted(items, key=lambda item: order.get(item.path.name, len(order)))  # stable: collection order kept
     for item in items:
         name = item.nodeid.split("::", 1)[-1].lower()
         if item.path.name in SLOW_MODULES or "inductor" in name or "default_route" in name:
