@@ -27,6 +27,17 @@ def count_collectives(fn) -> dict[str, int]:
 
 
 # -- DCP checkpoints -------------------------------------------------------------------------------------------
+def assert_resumed_as_straight(rank: int, expected: dict, actual: dict) -> None:
+    """A resumed ``dcp_checkpoint_run`` holds the straight run's state and pending gradients, bit for bit (and some
+    gradients were pending)."""
+    assert expected["state"].keys() == actual["state"].keys()
+    for name, tensor in expected["state"].items():
+        assert torch.equal(tensor, actual["state"][name]), f"rank {rank}: {name} differs after resuming"
+    assert expected["pending"].keys() == actual["pending"].keys() and expected["pending"]
+    for item, tensor in expected["pending"].items():
+        assert torch.equal(tensor, actual["pending"][item]), f"rank {rank}: pending item {item} differs"
+
+
 def dcp_checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None,
                        save: str | None) -> dict:
     """Train steps ``[start, stop)`` with deft (a delaying plan, the Preserver on), optionally resuming from / saving

@@ -6,10 +6,9 @@ an LR scheduler saved beside them."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from deft_compile.tools.launcher import run_local_workers
-from integration_workers import dcp_checkpoint_run
+from integration_workers import assert_resumed_as_straight, dcp_checkpoint_run
 
 CASE = "mlp_dropout_sgd"
 STOP = 6
@@ -33,12 +32,7 @@ def test_dcp_checkpoint_resumes_bit_identically(tmp_path, straight, save_at):
             assert saved["stateless_params"] > 0, "some parameters must have no optimizer state at the save"
         assert actual["step_count"] == expected["step_count"] == STOP
         assert actual["lr"] == expected["lr"]
-        assert expected["state"].keys() == actual["state"].keys()
-        for name, tensor in expected["state"].items():
-            assert torch.equal(tensor, actual["state"][name]), f"rank {rank}: {name} differs after resuming"
-        assert expected["pending"].keys() == actual["pending"].keys() and expected["pending"]
-        for item, tensor in expected["pending"].items():
-            assert torch.equal(tensor, actual["pending"][item]), f"rank {rank}: pending item {item} differs"
+        assert_resumed_as_straight(rank, expected, actual)
         assert expected["preserver"] is not None
         # its attribution budget holds wall-clock seconds (never equal across runs): the steps it counted carry on
         assert actual["preserver"]["attribution_budget"]["steps"] == expected["preserver"]["attribution_budget"]["steps"]

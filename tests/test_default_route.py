@@ -48,7 +48,7 @@ import torch
 from default_route_workers import (compile_beside_ddp, delayed_beside_compile, dlcp_beside_ddp, loss_scaling_beside_compile,
                                    on_default_route, policy_beside_ddp, trainer_beside_plain)
 from deft_compile.tools.launcher import run_local_workers
-from integration_workers import dcp_checkpoint_run
+from integration_workers import assert_resumed_as_straight, dcp_checkpoint_run
 from loop_workers import accumulation_with_ddp, clip_with_ddp
 from workers import check_entry, compare_deft_with_delayed_reference
 
@@ -209,12 +209,7 @@ def test_dcp_checkpoint_resumes_bit_identically(tmp_path):
         expected, actual = straight[rank], resumed[rank]
         assert first[rank]["pending_before_save"] > 0, "the checkpoint must carry pending gradients"
         assert actual["step_count"] == expected["step_count"] == stop and actual["lr"] == expected["lr"]
-        assert expected["state"].keys() == actual["state"].keys()
-        for name, tensor in expected["state"].items():
-            assert torch.equal(tensor, actual["state"][name]), f"rank {rank}: {name} differs after resuming"
-        assert expected["pending"].keys() == actual["pending"].keys() and expected["pending"]
-        for item, tensor in expected["pending"].items():
-            assert torch.equal(tensor, actual["pending"][item]), f"rank {rank}: pending item {item} differs"
+        assert_resumed_as_straight(rank, expected, actual)
         drop = lambda state: {k: v for k, v in state.items() if k != "attribution_budget"}  # noqa: E731 (wall clock)
         assert drop(actual["preserver"]) == drop(expected["preserver"])
 
