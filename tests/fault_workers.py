@@ -11,7 +11,6 @@ the next call), ``deft-period`` (update periods: accumulations in progress).
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import signal
@@ -28,7 +27,7 @@ from deft_compile.preserver.monitor import PreserverMonitor
 from deft_compile.step import groups
 from deft_compile.step.closed_loop import ClosedLoop
 from models import CASES
-from workers import POLICY_OPTIONS, _named_state, synthetic_profile
+from workers import POLICY_OPTIONS, _named_state, case_setup
 
 CASE = "mlp_dropout_sgd"
 SAVE_AT = 2  # the last complete checkpoint: after this many steps
@@ -54,14 +53,7 @@ def _build(rank: int, world_size: int, policy: str, compiler: str | None, *, mea
            **config):
     """(model, optimizer, step, batches) of the matrix's run; ``measured``: no profile given (the first call
     profiles with collectives, the closed loop runs); ``config``: more ``DeftConfig`` fields."""
-    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[CASE]
-    torch.manual_seed(0)
-    model = make_model()
-    optimizer = make_optimizer(model)
-    data = torch.Generator().manual_seed(1234 + rank)
-    batches = [make_batch(data) for _ in range(STEPS)]
-    scratch = copy.deepcopy(model)
-    profile = None if measured else synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    model, optimizer, loss_fn, batches, profile = case_setup(CASE, rank, world_size, STEPS, profiled=not measured)
     solver_policy = "deft" if policy.startswith("deft") else policy
     if policy == "deft-period":  # the Preserver's prior prices of skipped updates would rule the periods out
         config.setdefault("preserver", PreserverConfig(enabled=False))

@@ -689,20 +689,28 @@ def compare_deft_with_delayed_reference(
             "lowering_history": step.lowering.history}
 
 
+def case_setup(case: str, rank: int, world_size: int, steps: int, *, profiled: bool = True):
+    """(model, optimizer, loss_fn, batches, profile) of a ``CASES`` run on ``rank``: weights seeded alike on every
+    rank, the rank's own batches, and a synthetic profile of a copy (None unless ``profiled``: the first call
+    measures one)."""
+    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    data = torch.Generator().manual_seed(1234 + rank)
+    batches = [make_batch(data) for _ in range(steps)]
+    scratch = copy.deepcopy(model)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size) if profiled else None
+    return model, optimizer, loss_fn, batches, profile
+
+
 def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int, load: str | None, save: str | None,
                    delayed_update: str = "averaged", options: str = "deft", compiler: str | None = None,
                    save_at: int | None = None) -> dict:
     """Train steps ``[start, stop)`` with deft (``POLICY_OPTIONS[options]``: delays by default), optionally resuming
     from / saving to a checkpoint (at the end, or after step ``save_at`` and training on); ``compiler`` as
     ``DeftConfig``'s (the suite's default when None)."""
-    make_model, make_optimizer, make_batch, loss_fn, _ddp_kwargs, _exact = CASES[case]
-    torch.manual_seed(0)
-    model = make_model()
-    optimizer = make_optimizer(model)
-    data = torch.Generator().manual_seed(1234 + rank)
-    batches = [make_batch(data) for _ in range(stop)]
-    scratch = copy.deepcopy(model)
-    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
+    model, optimizer, loss_fn, batches, profile = case_setup(case, rank, world_size, stop)
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(plan_options=POLICY_OPTIONS[options], delayed_update=delayed_update,
                                           **({"compiler": compiler} if compiler else {})))
