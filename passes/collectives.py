@@ -76,9 +76,10 @@ def persistent_buffer(
     """A ``get_attr`` node reading a flat buffer registered on ``gm`` (not saved in its state dict).
 
     The buffer lives as long as the graph module: a bucket the step writes into on
-    every call, like DDP's reducer buckets.
+    every call, like DDP's reducer buckets. It starts as zeros, so no step can read
+    memory that nothing wrote.
     """
-    gm.register_buffer(name, torch.empty(numel, dtype=dtype, device=device), persistent=False)
+    gm.register_buffer(name, torch.zeros(numel, dtype=dtype, device=device), persistent=False)
     return graph.get_attr(name)
 
 

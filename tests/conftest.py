@@ -52,7 +52,8 @@ if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
 SLOW_MODULES = {"test_default_route.py", "test_examples.py", "test_inductor.py", "test_regions.py",
                 "test_flat_updates.py", "test_readme_demo.py", "test_gpu_check.py", "test_bf16_tracks_eager.py",
                 "test_hf_inductor_regions.py", "test_shapes.py", "test_bench.py", "test_suite_quick.py",
-                "test_overhead_bench.py", "test_dssync_dlcp_bench.py", "test_time_to_accuracy.py", "test_faults.py"}
+                "test_overhead_bench.py", "test_dssync_dlcp_bench.py", "test_time_to_accuracy.py", "test_faults.py",
+                "test_isa_cache_key.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,5 +31,22 @@ def default_semantics_run(rank: int, world_size: int, case: str, steps: int, del
     CASES.update(UNCOVERED)
     report = compare_deft_with_delayed_reference(rank, world_size, case, steps, "deft", 0.9, (), compiler,
                                                  delayed_update)
-    return {key: report[key] for key in ("steps", "final", "delayed", "final_params", "pending_after_flush",
-                                         "lowering_history")}
+    return {**{key: report[key] for key in ("steps", "final", "delayed", "final_params", "pending_after_flush",
+                                            "lowering_history")},
+            "fills_uninitialized": torch.are_deterministic_algorithms_enabled()
+            and torch.utils.deterministic.fill_uninitialized_memory}
+
+
+def default_semantics_beside_compile(rank: int, world_size: int, case: str, steps: int) -> dict:
+    """``default_route_workers.delayed_beside_compile`` with ``DeftConfig()``'s semantics on ``case`` (a ``CASES`` or an
+    ``UNCOVERED`` one), on the default compiler: deft and the compiled yardstick against the eager reference of the
+    semantics the step resolved, in one launch; also this process's vector ISA and kernel set."""
+    from default_route_workers import delayed_beside_compile, on_default_route
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    CASES.update(UNCOVERED)
+    result = on_default_route(rank, world_size, delayed_beside_compile, case, steps, "auto")
+    result.update(isa=str(pick_vec_isa()), kernels=torch.backends.cpu.get_cpu_capability(),
+                  fills_uninitialized=torch.are_deterministic_algorithms_enabled()
+                  and torch.utils.deterministic.fill_uninitialized_memory)
+    return result

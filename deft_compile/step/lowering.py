@@ -32,7 +32,8 @@ beyond float32 round-off (``benchmarks/inductor_speed.py`` measures them):
 If Inductor fails, :func:`lower` logs the reason once and returns the aten
 graph; ``LoweredGraph.compiler`` says which ran. Inductor's FX graph cache
 (on by default) makes a second compile of the same graph, in this or another
-process, fast.
+process, fast; its entries are keyed by the CPU vector ISA the kernels were
+written for (:mod:`deft_compile.step.isa_key`), which torch's own key leaves out.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import torch.fx as fx
 
 from deft_compile.compilers import check_compiler
 from deft_compile.step.capture import CAPTURE_ID, SYMBOLIC
+from deft_compile.step.isa_key import keyed_by_isa
 from deft_compile.step.symbolic import is_symbolic
 from deft_compile.passes.cat_layout import pin_cat_layouts
 from deft_compile.passes.functional_collectives import functionalize_bucket_ops
@@ -183,6 +185,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         stack.enter_context(inductor_config.patch(PINNED_ORDER_CONFIG))
+        stack.enter_context(keyed_by_isa())
         if REALIZE_SCALARS:
             stack.enter_context(inductor_config.patch(post_grad_custom_post_pass=RealizeScalars()))
         # AOTAutograd's own cache would skip inner_compile on a hit, and with it the generated code we keep

@@ -207,6 +207,21 @@ def _unpack(result: WorkerResult) -> WorkerResult:
     return result
 
 
+#: Environment switch: workers fill every tensor ATen allocates uninitialized with NaN (integers with their
+#: largest value), so a step that reads memory before writing it gives NaN instead of whatever was there.
+ENV_FILL_UNINITIALIZED = "DEFT_FILL_UNINITIALIZED"
+
+
+def fill_uninitialized_if_asked() -> None:
+    """With ``$DEFT_FILL_UNINITIALIZED`` set (not ``0``): ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` and ``torch.utils.deterministic.fill_uninitialized_memory``, which fills ``torch.empty`` and
+    its kin under deterministic algorithms only. Kernels that have no deterministic form warn and run as usual."""
+    if os.environ.get(ENV_FILL_UNINITIALIZED, "0") in ("", "0"):
+        return
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+
+
 def _worker_main(
     fn: Callable[..., Any],
     rank: int,
@@ -225,6 +240,7 @@ def _worker_main(
         os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)
+    fill_uninitialized_if_asked()
     try:
         if netns_name is not None:
             # Before any thread or socket exists: setns moves only this thread.

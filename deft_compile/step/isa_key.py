@@ -1,0 +1,45 @@
+"""Key Inductor's compile caches by the CPU vector instruction set its kernels are written for.
+
+Rule: a cached compile is reused only under the vector ISA it was generated for.
+
+Why: Inductor's C++ backend writes its loops for the ISA that ``torch._inductor.cpu_vec_isa.pick_vec_isa()``
+returns (from the CPU, ``ATEN_CPU_CAPABILITY`` and ``inductor.config.cpp.simdlen``): a float loop steps by 16
+elements under AVX-512 and by 8 under AVX2, and calls ``at::vec`` only where there is a vector ISA. The cached
+source is compiled again with the ISA picked when it is loaded. Inductor's FX graph cache and AOTAutograd's
+cache (torch 2.13) do not hash that pick, so a compile cached under one ISA is replayed under another:
+
+* written for AVX-512, replayed under ``ATEN_CPU_CAPABILITY=avx2`` on the same host, every vector loop steps 16
+  elements while its vectors hold 8, so half of each output is never written: garbage, with no error;
+* written for a vector ISA, replayed with none (``ATEN_CPU_CAPABILITY=default``), it fails to compile and the
+  region falls back to aten.
+
+:func:`isa_cache_tag` names the pick, and :func:`keyed_by_isa` adds it to ``torch.compiler.config.cache_key_tag``
+(a string every torch compile cache hashes) for the duration of one compile, keeping any tag the user set.
+``tests/test_isa_cache_key.py`` holds the reproduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+
+def isa_cache_tag() -> str:
+    """``"deft-vec-isa=<isa>"`` for the vector ISA Inductor generates CPU kernels for now (``INVALID_VEC_ISA``:
+    scalar code)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return f"deft-vec-isa={isa}/{isa.bit_width()}"
+
+
+@contextlib.contextmanager
+def keyed_by_isa() -> Iterator[str]:
+    """Within the block, torch's compile caches key every entry by :func:`isa_cache_tag` as well as by the
+    user's own ``cache_key_tag``; yields the tag in force."""
+    import torch.compiler.config as compiler_config
+
+    own = compiler_config.cache_key_tag
+    tag = f"{own}|{isa_cache_tag()}" if own else isa_cache_tag()
+    with compiler_config.patch(cache_key_tag=tag):
+        yield tag
