@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver import Preserver, PreserverConfig
+from deft_compile.preserver.trade import priced_step_text
 
 BASE = {"first_bucket_bytes": 1, "bucket_cap_bytes": 2}
 
@@ -212,6 +216,44 @@ def test_measured_profile_starts_synchronous_and_a_given_profile_does_not():
         assert max(report["delayed"]) > 0, f"the priced trade should adopt delays on a slow link: {report['history']}"
 
 
+_PRICED = re.compile(r"(?:measured|predicted) ([0-9.e+-]+) ms / \(1 - price ([0-9.e+-]+) ms / compute ([0-9.e+-]+) ms = "
+                     r"([0-9.]+)% of each step's progress lost\) = ([0-9.e+-]+) ms per synchronous step")
+_THRESHOLD = re.compile(r"synchronous ([0-9.e+-]+) ms x \(1 \+ margin ([0-9]+)%\) = ([0-9.e+-]+) ms")
+_GAIN = re.compile(r"a gain of ([0-9.e+-]+) ms per step \(at least [0-9]+% of compute, ([0-9.e+-]+) ms\)")
+
+
+def check_decision_arithmetic(line: str) -> int:
+    """Every priced step a Preserver line prints follows from the numbers it prints (to their 3 significant
+    digits), and the comparison it states holds for them; how many such checks the line held."""
+    checked = 0
+    for plan, price, compute, share, priced in _PRICED.findall(line):
+        plan, price, compute, share, priced = map(float, (plan, price, compute, share, priced))
+        assert share == pytest.approx(100 * price / compute, rel=2e-2, abs=0.06), line
+        assert priced == pytest.approx(priced_step_ms(plan, price, compute), rel=1e-2), line
+        checked += 1
+        for synchronous, margin, threshold in _THRESHOLD.findall(line):
+            threshold = float(threshold)
+            assert threshold == pytest.approx(float(synchronous) * (1 + float(margin) / 100), rel=1e-2), line
+            assert (priced > threshold) == ("loses to" in line), line
+            checked += 1
+    for gain, needed in _GAIN.findall(line):
+        assert float(gain) >= float(needed), line
+        checked += 1
+    return checked
+
+
+def test_a_decision_line_prints_what_the_rule_computes():
+    """The rule divides a plan's step by the share of progress its staleness leaves and asks a margin over the
+    synchronous step; the line prints those numbers, not a sum the rule never forms."""
+    text = priced_step_text(527.0, 14.1, 60.0, "measured")
+    assert check_decision_arithmetic(text) == 1
+    assert "= 689 ms per synchronous step" in text, text
+    lost = f"the plan with delays loses to the synchronous plan: {text} > synchronous 566 ms x (1 + margin 5%) = 594 ms"
+    assert check_decision_arithmetic(lost) == 2
+    with pytest.raises(AssertionError):
+        check_decision_arithmetic(lost.replace("689 ms per", "541 ms per"))
+
+
 def test_a_trade_during_the_duel_of_the_last_trade_does_not_restart_it():
     """The closed loop duels a traded plan against the synchronous one, alternating them in 4 x 2 blocks of
     4 steps; the next staleness measurement (step 50) falls in a synchronous block of the duel. A plan with delays
@@ -233,6 +275,7 @@ def test_a_trade_during_the_duel_of_the_last_trade_does_not_restart_it():
         assert len(proposals) == 1, history
         assert verdicts and verdicts[0] > proposals[0], history  # the traded plan's duel, not another
         assert all(i > verdicts[0] for i in judged), history
+        assert all(check_decision_arithmetic(h) for h in history if h.startswith("staleness priced")), history
         assert report["semantics"] == "compensated"
     assert results[0]["history"] == results[1]["history"]
 

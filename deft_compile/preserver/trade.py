@@ -48,6 +48,14 @@ def schedule_by_name(plan: Any, names: list[str]) -> dict[str, tuple[int, int]]:
             if delay or period > 1}
 
 
+def priced_step_text(plan_ms: float, price_ms: float, compute: float, source: str) -> str:
+    """The priced step as the rules compute it (``priced_step_ms``): the plan's step time divided by the share of
+    each step's progress its staleness leaves, with every number that goes in."""
+    share = price_ms / compute if compute > 0 else 0.0
+    return (f"{source} {plan_ms:.3g} ms / (1 - price {price_ms:.3g} ms / compute {compute:.3g} ms = {share:.1%} of "
+            f"each step's progress lost) = {priced_step_ms(plan_ms, price_ms, compute):.3g} ms per synchronous step")
+
+
 class Trader:
     """Carries out the trade for one step's Preserver (see the module docstring). ``admission``: what replays
     plain delays before they are admitted (``preserver.admission.PlainAdmission``), None where the step runs
@@ -129,15 +137,19 @@ class Trader:
                                 clock_scale=scale)
         if gain_ms < self.config.trade_margin * compute or not switch_pays(gain_ms * scale,
                                                                            self.config.switch_horizon, cost_ms):
-            log.info("Preserver at step %d: delays would gain %.3g ms per step (a switch costs %.3g ms): the plan "
-                     "stays synchronous", step_count, gain_ms * scale, cost_ms)
+            log.info("Preserver at step %d: delays would gain %.3g ms per step (synchronous %.3g ms - priced step: %s; "
+                     "needed: %.0f%% of compute, %.3g ms, and a switch of %.3g ms repaid in %d steps): the plan stays "
+                     "synchronous", step_count, gain_ms * scale, sync_ms,
+                     priced_step_text(plan_ms, price_ms, compute, "predicted"), self.config.trade_margin * 100,
+                     self.config.trade_margin * compute, cost_ms, self.config.switch_horizon)
             return None
         delayed = sum(1 for item in priced.items if item.delay)
         periodic = sum(1 for item in priced.items if item.period > 1)
         reason = (f"staleness priced (κ={self.config.staleness_price:g}): {delayed} delayed and {periodic} periodic "
-                  f"of {len(priced.items)} items; predicted {plan_ms:.3g} ms + price {price_ms:.3g} ms per step "
-                  f"against {sync_ms:.3g} ms synchronous: {gain_ms * scale:.3g} ms per step against a switch of "
-                  f"{cost_ms:.3g} ms")
+                  f"of {len(priced.items)} items; {priced_step_text(plan_ms, price_ms, compute, 'predicted')} "
+                  f"against {sync_ms:.3g} ms synchronous: a gain of {gain_ms * scale:.3g} ms per step (at least "
+                  f"{self.config.trade_margin:.0%} of compute, {self.config.trade_margin * compute:.3g} ms) against a "
+                  f"switch of {cost_ms:.3g} ms")
         if preserver.plain_delays and self.admission is not None:
             preserver.admission = {"kind": "propose", "prices": [dict(prices[0]), dict(prices[1])],
                                    "reason": reason, "schedule": schedule_by_name(priced, names), "metrics": metrics}
@@ -169,6 +181,9 @@ class Trader:
         price_ms = plan_price_ms(running, names, *prices)
         gain_ms = sync_ms - priced_step_ms(plan_ms, price_ms, compute)
         metrics = self._metrics(prices, sync_ms, plan_ms, price_ms, gain_ms, source=source)
+        priced_text = priced_step_text(plan_ms, price_ms, compute, source)
+        threshold_text = (f"synchronous {sync_ms:.3g} ms x (1 + margin {self.config.trade_margin:.0%}) = "
+                          f"{sync_ms * (1.0 + self.config.trade_margin):.3g} ms")
         if keeps_delays(plan_ms, sync_ms, price_ms / compute if compute > 0 else 0.0, self.config.trade_margin):
             if preserver.plain_delays and self.admission is not None:
                 # plain delays: what confirms them is a paired replay of the steps they run, not their price
@@ -178,13 +193,10 @@ class Trader:
                 return None
             if preserver.stability.confirm():
                 return preserver.settle(step_count, "kept", f"the plan with delays kept by {preserver.stability.after} "
-                                        f"measurements ({source} {plan_ms:.3g} ms + price {price_ms:.3g} ms against "
-                                        f"{sync_ms:.3g} ms synchronous)", metrics)
+                                        f"measurements ({priced_text} <= {threshold_text})", metrics)
             return None
         return self._back(step_count, f"staleness priced (κ={self.config.staleness_price:g}): the plan with delays "
-                          f"({source} {plan_ms:.3g} ms + price {price_ms:.3g} ms per step) loses to the synchronous "
-                          f"plan ({sync_ms:.3g} ms) by more than {self.config.trade_margin:.0%}",
-                          metrics)
+                          f"loses to the synchronous plan: {priced_text} > {threshold_text}", metrics)
 
     def _back(self, step_count: int, why: str, metrics: dict[str, Any]) -> PreserverEvent | None:
         """Back to synchronous for good, switching if the running plan has staleness."""
