@@ -17,9 +17,10 @@ Under the key ``"deft"`` the checkpoint holds:
   between ``flush()``es (``policy="dssync"``, ``DeftConfig(delayed_update="local")``) both are
   kept per rank instead (``model.rank<r>``, ``optimizer.rank<r>``).
 - ``step.rank<r>``: each rank's ``step.state_dict()`` (step counter, plan, profile, pending delayed
-  gradients, partial accumulations, the Preserver's and the loss scaler's state), ``torch.save``d
-  into one bytes entry, as torchtitan keeps its train state: pending gradients and accumulations
-  are per rank, and a bytes entry loads whole, with no tensor of the right shape needed to load into.
+  gradients, partial accumulations, the Preserver's and the loss scaler's state) as tensors and plain data
+  (``deft_compile.step_state``), ``torch.save``d into one bytes entry, as torchtitan keeps its train state:
+  pending gradients and accumulations are per rank, and a bytes entry loads whole, with no tensor of the right
+  shape needed to load into.
 
 ``extra`` entries (anything DCP saves: tensors, state dicts, ``Stateful`` objects such as an LR
 scheduler) go into the same checkpoint under their own keys.
@@ -37,6 +38,13 @@ beside them, naming every file of the checkpoint with its size (it removes an ol
 ``load`` refuses a folder without it, or whose files are missing or of another size (a save interrupted by a
 failure, a truncated copy), with ``TornCheckpointError`` on every rank, before anything is read.
 
+Loading runs no code from the checkpoint: DCP's metadata is unpickled with its own classes only, every bytes entry
+with ``torch.load(weights_only=True)`` and the step state is read as plain data (``deft_compile.dcp_reading``,
+``deft_compile.step_state``). The step's entry is read and checked first, so a checkpoint refused for it
+(``DeftError``; ``TornCheckpointError`` where it is truncated) leaves the model and optimizer as they were. A
+step state of the previous format (``torch.save(step.state_dict())``) is converted as it loads where
+``weights_only`` reads it, and refused with the way to convert it otherwise (``deft_compile.tools.convert_checkpoint``).
+
 A rank that dies or hangs during ``save`` or ``load`` makes the others raise ``PeerFailureError`` naming it, after
 the process group's timeout at most.
 """
@@ -53,11 +61,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from deft_compile import step_state
+from deft_compile.dcp_reading import MetadataReader, PlainLoadPlanner, refusal_in
 from deft_compile.errors import DeftError, TornCheckpointError
 from deft_compile.step.distributed import lost_peers_named
 from deft_compile.step.runtime import CompiledStep
+from deft_compile.timing import comm_device
 
 KEY = "deft"
 
@@ -81,7 +93,7 @@ def save(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping
         optimizer.state.clear()
         optimizer_state = {**optimizer_state, "state": {}}
     blob = io.BytesIO()
-    torch.save(step.state_dict(), blob)
+    step_state.write(step.state_dict(), blob)
     blob.seek(0)
     state = _layout(step, model_state, optimizer_state, blob)
     with _peers_named(step):
@@ -98,19 +110,24 @@ def load(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping
     model, optimizer = _model_and_optimizer(step, model, optimizer)
     if check_complete:
         check_complete_checkpoint(checkpoint_id)
-    saved = set(dcp.FileSystemReader(os.fspath(checkpoint_id)).read_metadata().state_dict_metadata)
+    where = os.fspath(checkpoint_id)
+    saved = set(MetadataReader(where).read_metadata().state_dict_metadata)
     key = f"rank{_rank(step)}"
     if f"{KEY}.step.{key}" not in saved:
-        raise DeftError(f"{os.fspath(checkpoint_id)!r} holds no deft step state for rank {_rank(step)}: not written "
+        raise DeftError(f"{where!r} holds no deft step state for rank {_rank(step)}: not written "
                         f"by deft_compile.checkpoint.save, or with another world size")
+    # the step's entry first: a checkpoint refused for it leaves the model and optimizer untouched
+    entry = {KEY: {"step": {key: io.BytesIO()}}}
+    _dcp_load(step, entry, where)
+    blob = entry[KEY]["step"][key]
+    resumed = _read_on_every_rank(step, blob, where)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     prefix = f"{KEY}.optimizer" + ("" if _replicated(step) else f".{key}")
     optimizer_state = {**optimizer_state, "state": {
         name: kept for name, entries in optimizer_state["state"].items()
         if (kept := {k: v for k, v in entries.items() if f"{prefix}.state.{name}.{k}" in saved})}}
-    state = _layout(step, model_state, optimizer_state, io.BytesIO())
-    with _peers_named(step):
-        dcp.load({KEY: state, **dict(extra or {})}, checkpoint_id=checkpoint_id, process_group=step.process_group)
+    state = _layout(step, model_state, optimizer_state, None)
+    _dcp_load(step, {KEY: state, **dict(extra or {})}, where)
     if not _replicated(step):
         model_state, optimizer_state = state["model"][key], state["optimizer"][key]
     else:
@@ -118,9 +135,53 @@ def load(step: CompiledStep, checkpoint_id: str | os.PathLike, *, extra: Mapping
     # not strict: parameters without optimizer state in the checkpoint stay without (every model key was read above)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                    options=StateDictOptions(strict=False))
-    blob = state["step"][key]
-    blob.seek(0)
-    step.load_state_dict(torch.load(blob, weights_only=False))
+    step.load_state_dict(resumed)
+
+
+def _read_on_every_rank(step: CompiledStep, blob: Any, where: str) -> dict[str, Any]:
+    """``step_state.read`` of this rank's step entry; every rank raises if any rank's entry is refused."""
+    what = f"the deft step state of rank {_rank(step)} in checkpoint {where!r}"
+    refusal: DeftError | None = None
+    resumed: dict[str, Any] = {}
+    try:
+        if not isinstance(blob, io.BytesIO):
+            raise DeftError(f"{what} is a {type(blob).__name__}, not the bytes of a step state")
+        resumed = step_state.read(blob, what)
+    except DeftError as error:
+        refusal = error
+    if step.process_group is not None:
+        with _peers_named(step):
+            refuse_together(refusal, step.process_group, f"checkpoint {where!r}")
+    elif refusal is not None:
+        raise refusal
+    return resumed
+
+
+def refuse_together(refusal: DeftError | None, group: dist.ProcessGroup | None, where: str) -> None:
+    """Raise on every rank of ``group`` (None: the default group) when any rank refused what it read from
+    ``where`` (its ``refusal``; None where it read it): each rank reads its own step state, and without this the
+    ranks that read theirs would wait in the next collective for the one that raised. One all-reduce."""
+    refused = torch.tensor([0 if refusal is None else 1], device=comm_device(group))
+    dist.all_reduce(refused, group=group)
+    if refusal is not None:
+        raise refusal
+    if int(refused) > 0:
+        raise DeftError(f"{where}: {int(refused)} other rank(s) refused their deft step state (their error says why); "
+                        f"nothing was loaded")
+
+
+def _dcp_load(step: CompiledStep, state: dict[str, Any], where: str) -> None:
+    """``dcp.load`` of ``state`` from the folder ``where``, reading no code (``deft_compile.dcp_reading``); a
+    refusal on any rank raises its ``DeftError`` on every rank."""
+    with _peers_named(step):
+        try:
+            dcp.load(state, storage_reader=MetadataReader(where), planner=PlainLoadPlanner(where),
+                     process_group=step.process_group)
+        except CheckpointException as error:
+            refusal = refusal_in(error, _rank(step))
+            if refusal is None:
+                raise
+            raise refusal from None
 
 
 def _model_and_optimizer(step: CompiledStep, model: nn.Module | None,
@@ -137,11 +198,13 @@ def _replicated(step: CompiledStep) -> bool:
     return step.policy != "dssync" and step.config.delayed_update != "local"
 
 
-def _layout(step: CompiledStep, model_state: dict, optimizer_state: dict, blob: io.BytesIO) -> dict[str, Any]:
+def _layout(step: CompiledStep, model_state: dict, optimizer_state: dict, blob: io.BytesIO | None) -> dict[str, Any]:
+    """The ``"deft"`` entry: model and optimizer (per rank where replicas may differ) and, with ``blob``, the step."""
     key = f"rank{_rank(step)}"
+    steps = {} if blob is None else {"step": {key: blob}}
     if _replicated(step):
-        return {"model": model_state, "optimizer": optimizer_state, "step": {key: blob}}
-    return {"model": {key: model_state}, "optimizer": {key: optimizer_state}, "step": {key: blob}}
+        return {"model": model_state, "optimizer": optimizer_state, **steps}
+    return {"model": {key: model_state}, "optimizer": {key: optimizer_state}, **steps}
 
 
 def check_complete_checkpoint(checkpoint_id: str | os.PathLike) -> None:
