@@ -193,7 +193,7 @@ def trainer_checkpoint_run(rank: int, world_size: int, output_dir: str, resume: 
     _as_torchrun(rank, world_size)
     import transformers
 
-    from deft_compile import DeftConfig
+    from deft_compile import DeftConfig, step_state
     from deft_compile.integrations.transformers import DeftTrainer
 
     transformers.logging.set_verbosity_error()
@@ -211,7 +211,7 @@ def trainer_checkpoint_run(rank: int, world_size: int, output_dir: str, resume: 
     trainer.train(resume_from_checkpoint=resume)
     step = trainer.deft_step
     path = os.path.join(output_dir, "checkpoint-3", f"deft_step_rank{rank}.pt")  # written by a run from the start
-    saved = torch.load(path, weights_only=False) if os.path.exists(path) else {"pending": {}, "step_count": None}
+    saved = step_state.read(path, path) if os.path.exists(path) else {"pending": {}, "step_count": None}
     logs = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
     return {"losses": logs, "params": {n: p.detach().clone() for n, p in base.named_parameters()},
             "optimizer": {f"{i}:{k}": v.clone() for i, s in enumerate(step.optimizer.state.values())

@@ -715,7 +715,7 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
                         config=DeftConfig(plan_options=POLICY_OPTIONS[options], delayed_update=delayed_update,
                                           **({"compiler": compiler} if compiler else {})))
     if load is not None:
-        checkpoint = torch.load(f"{load}.rank{rank}", weights_only=False)
+        checkpoint = torch.load(f"{load}.rank{rank}", weights_only=True)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         step.load_state_dict(checkpoint["step"])

@@ -33,9 +33,11 @@ callbacks, ``save_steps`` checkpoints and resuming. What runs instead:
 - ``evaluate()`` and ``predict()`` flush pending delayed gradients first, and so does the step
   that ends training, before its checkpoint.
 - Each checkpoint folder gets ``deft_step_rank<r>.pt`` per rank (``step.state_dict()``: plan,
-  profile, pending gradients, accumulations, the Preserver's state); ``train(resume_from_checkpoint=...)``
-  loads it, so a resumed run continues exactly. A checkpoint of a plain ``Trainer`` (no such files)
-  resumes with a new step.
+  profile, pending gradients, accumulations, the Preserver's state, as tensors and plain data:
+  ``deft_compile.step_state``); ``train(resume_from_checkpoint=...)`` reads it before training starts,
+  with ``torch.load(weights_only=True)`` (no code in the file runs; a file that is not a step state raises
+  ``DeftError``, a truncated one ``TornCheckpointError``), so a resumed run continues exactly. A checkpoint
+  of a plain ``Trainer`` (no such files) resumes with a new step.
 
 Only ``policy="wfbp"`` reproduces Trainer's numbers under an LR schedule: an update a policy defers to
 the next call reads the learning rate of that call, which Trainer's scheduler has already stepped.
@@ -62,7 +64,9 @@ import torch.nn as nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from deft_compile import step_state
 from deft_compile.api import deft_compile
+from deft_compile.checkpoint import refuse_together
 from deft_compile.config import DeftConfig
 from deft_compile.errors import DeftError
 from deft_compile.integrations.model_view import ModelView
@@ -107,7 +111,7 @@ class DeftTrainer(Trainer):
         self.deft_config = deft_config if deft_config is not None else DeftConfig()
         self.deft_profile = profile
         self.deft_step: CompiledStep | None = None
-        self._deft_resume: str | None = None
+        self._deft_resume: dict[str, Any] | None = None  # the step state read from the checkpoint being resumed
         super().__init__(*args, **kwargs)
         _check_arguments(self.args)
         for enabled, what in ((self.is_deepspeed_enabled, "DeepSpeed"), (self.is_fsdp_enabled, "FSDP")):
@@ -150,7 +154,8 @@ class DeftTrainer(Trainer):
         step = deft_compile(model, optimizer, policy=self.deft_policy, config=self.step_config(),
                             profile=self.deft_profile)
         if self._deft_resume is not None:
-            _load_step_state(step, self._deft_resume)
+            step.load_state_dict(self._deft_resume)
+            log.info("resumed the deft step (step %d, %d pending item(s))", step.step_count, len(step.pending))
             self._deft_resume = None
         self.deft_step = step
         return step
@@ -225,7 +230,8 @@ class DeftTrainer(Trainer):
         if self.deft_step is not None:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
-            torch.save(self.deft_step.state_dict(), os.path.join(folder, STEP_STATE_FILE.format(rank=_rank())))
+            path = os.path.join(folder, STEP_STATE_FILE.format(rank=_rank()))
+            step_state.write(self.deft_step.state_dict(), path)
         super()._save_checkpoint(model, trial)
 
     # -- public entry points ------------------------------------------------------------------------------------
@@ -233,7 +239,7 @@ class DeftTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: Trainer's error
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            self._deft_resume = os.fspath(resume_from_checkpoint)
+            self._deft_resume = _read_step_state(os.fspath(resume_from_checkpoint))  # refused before training
             self.deft_step = None  # a new step, loaded from the checkpoint
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -313,17 +319,29 @@ def _finish_short_cycle(step: CompiledStep) -> None:
     step.step_count += -step.step_count % steps
 
 
-def _load_step_state(step: CompiledStep, folder: str) -> None:
+def _read_step_state(folder: str) -> dict[str, Any] | None:
+    """This rank's step state in a Trainer checkpoint folder (``STEP_STATE_FILE``), read as tensors and plain
+    data (``deft_compile.step_state``: no code in the file runs); None for a plain Trainer checkpoint. A rank that
+    refuses its file makes every rank raise (``refuse_together``), so none waits in Trainer's collectives."""
     path = os.path.join(folder, STEP_STATE_FILE.format(rank=_rank()))
-    if os.path.exists(path):
-        step.load_state_dict(torch.load(path, weights_only=False))
-        log.info("resumed the deft step from %s (step %d, %d pending item(s))", path, step.step_count, len(step.pending))
-        return
-    saved = glob.glob(os.path.join(folder, STEP_STATE_FILE.format(rank="*")))
-    if saved:
-        raise DeftError(f"{folder} holds the deft step of {len(saved)} rank(s) but not of rank {_rank()}: resume with "
-                        f"the world size it was saved with")
-    log.warning("%s holds no deft step state (a plain Trainer checkpoint): the step starts afresh", folder)
+    state, refusal = None, None
+    try:
+        if os.path.exists(path):
+            state = step_state.read(path, f"{path} (DeftTrainer's step state of rank {_rank()})")
+        elif saved := glob.glob(os.path.join(folder, STEP_STATE_FILE.format(rank="*"))):
+            raise DeftError(f"{folder} holds the deft step of {len(saved)} rank(s) but not of rank {_rank()}: resume "
+                            f"with the world size it was saved with")
+    except DeftError as error:
+        refusal = error
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        refuse_together(refusal, None, folder)
+    elif refusal is not None:
+        raise refusal
+    if state is None:
+        log.warning("%s holds no deft step state (a plain Trainer checkpoint): the step starts afresh", folder)
+    else:
+        log.info("read the deft step state from %s", path)
+    return state
 
 
 def _rank() -> int:
