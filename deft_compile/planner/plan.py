@@ -21,6 +21,11 @@ Conventions (shared by the simulator, the solvers and the graph passes):
   start of the forward), then ``backward-next`` (start of backward), then
   ``backward`` (issued once the item's gradients are ready, never before an
   item of lower order), then ``exposed`` (after the whole backward).
+* ``wire_dtype`` is the dtype an item crosses the link in: ``"float32"`` (the
+  default) sends the gradients in their own dtype, as DDP does; ``"bfloat16"``
+  or ``"float16"`` narrows float32 (or float64) gradients for the collective, as
+  DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` do. Byte counts
+  (``CommItem.nbytes``, the simulator's costs) are the bytes on the wire.
 """
 
 from __future__ import annotations
@@ -70,6 +75,13 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
+#: the dtypes a communication item may cross the link in; the first, full precision, is the default
+WIRE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+WIRE_FULL = "float32"
+#: gradient dtypes a 16-bit wire may narrow (floating and wider than 16 bits)
+NARROWABLE_DTYPES: frozenset[str] = frozenset({"float32", "float", "float64", "double"})
+
+
 def dtype_bytes(dtype: str) -> int:
     """Element size of a dtype given as ``"float32"`` or ``"torch.float32"``."""
     key = dtype[len("torch."):] if dtype.startswith("torch.") else dtype
@@ -77,6 +89,26 @@ def dtype_bytes(dtype: str) -> int:
         return DTYPE_BYTES[key]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}") from None
+
+
+def may_narrow(dtype: str) -> bool:
+    """Whether gradients of ``dtype`` may cross the link in a 16-bit wire dtype (floating, wider than 16 bits)."""
+    return (dtype[len("torch."):] if dtype.startswith("torch.") else dtype) in NARROWABLE_DTYPES
+
+
+def wire_element_bytes(dtype: str, wire_dtype: str) -> int:
+    """Bytes per element on the link of a gradient of ``dtype`` sent as ``wire_dtype``: the wire's where it
+    narrows the gradient, the gradient's own otherwise (full precision, or a dtype that does not narrow)."""
+    if wire_dtype != WIRE_FULL and may_narrow(dtype):
+        return dtype_bytes(wire_dtype)
+    return dtype_bytes(dtype)
+
+
+def check_wire_dtype(wire_dtype: str) -> str:
+    """``wire_dtype`` if it is one of ``WIRE_DTYPES``; ``ValueError`` otherwise."""
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"unknown wire dtype {wire_dtype!r}; use one of {', '.join(map(repr, WIRE_DTYPES))}")
+    return wire_dtype
 
 
 def before_forward_of_layer(layer: int) -> str:
@@ -335,6 +367,12 @@ class CommItem:
             ``next-step`` (the update of step t+1). A parameter split over
             several items is updated once, after the last of its items.
         bucket: the DDP bucket/block group this item came from (-1 if none).
+        wire_dtype: the dtype it crosses the link in: ``"float32"`` sends the
+            gradients as they are; ``"bfloat16"``/``"float16"`` narrows float32
+            or float64 gradients (divided by the world size, cast, summed,
+            cast back), as DDP's compression hooks do. Only written to the
+            JSON when narrowed, so a full-precision plan's JSON and hash are
+            those of a plan without the field.
     """
 
     id: int
@@ -348,6 +386,7 @@ class CommItem:
     wait_at: str = WAIT_END_OF_BACKWARD
     update_at: str = UPDATE_AT_STEP
     bucket: int = -1
+    wire_dtype: str = WIRE_FULL
 
     def __post_init__(self) -> None:
         slices = self.slices
@@ -360,7 +399,14 @@ class CommItem:
         return sum(s.count for s in self.slices)
 
     def nbytes(self, profile: Profile) -> int:
-        return sum(s.count * profile.params[s.param].element_bytes for s in self.slices)
+        """Bytes it sends over the link: its elements at the wire dtype's size."""
+        return sum(s.count * wire_element_bytes(profile.params[s.param].dtype, self.wire_dtype)
+                   for s in self.slices)
+
+    @property
+    def narrowed(self) -> bool:
+        """Whether it crosses the link in a 16-bit wire dtype."""
+        return self.wire_dtype != WIRE_FULL
 
     def params(self) -> list[int]:
         """Distinct parameter indices, in slice order."""
@@ -374,11 +420,14 @@ class CommItem:
         return layer_of_point(self.wait_at)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": int(self.id), "slices": [s.to_list() for s in self.slices],
+        data = {"id": int(self.id), "slices": [s.to_list() for s in self.slices],
                 "link": int(self.link), "window": self.window, "delay": int(self.delay),
                 "period": int(self.period), "period_offset": int(self.period_offset),
                 "order": int(self.order), "wait_at": self.wait_at,
                 "update_at": self.update_at, "bucket": int(self.bucket)}
+        if self.narrowed:  # full precision is the absence of the key: such plans keep their JSON and hash
+            data["wire_dtype"] = self.wire_dtype
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CommItem":
@@ -386,7 +435,8 @@ class CommItem:
                    link=int(data["link"]), window=str(data["window"]), delay=int(data["delay"]),
                    period=int(data["period"]), period_offset=int(data["period_offset"]),
                    order=int(data["order"]), wait_at=str(data["wait_at"]),
-                   update_at=str(data["update_at"]), bucket=int(data["bucket"]))
+                   update_at=str(data["update_at"]), bucket=int(data["bucket"]),
+                   wire_dtype=str(data.get("wire_dtype", WIRE_FULL)))
 
 
 @dataclass
@@ -473,7 +523,8 @@ class Plan:
                 for param, items in self.items_of_param().items()}
 
     def communication(self) -> list[tuple[tuple[ParamSlice, ...], int]]:
-        """What goes over the wire, in issue order: (slices, link) per collective."""
+        """Which elements go over which link, in issue order: (slices, link) per collective (the wire dtype
+        is each item's ``wire_dtype``)."""
         return [(item.slices, item.link) for item in self.items]
 
     # -- checks ------------------------------------------------------------------------
@@ -483,6 +534,7 @@ class Plan:
         Checks: unique ids; order is 0..n-1 and agrees with the windows'
         program positions; links, windows, wait/update points are known and
         consistent with the delay; each item is non-empty and single-dtype;
+        its wire dtype is known and narrows only float32/float64 gradients;
         every element of every parameter is carried by exactly one item
         (once per update); all items of a parameter share delay, period and
         offset; per-layer waits happen no later than the first forward use.
@@ -541,6 +593,12 @@ class Plan:
             dtypes.add(profile.params[s.param].dtype)
         if len(dtypes) != 1:
             raise ValueError(f"item {item.id} mixes dtypes {sorted(dtypes)}")
+        if item.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"item {item.id}: unknown wire dtype {item.wire_dtype!r}; "
+                             f"use one of {', '.join(WIRE_DTYPES)}")
+        if item.narrowed and not may_narrow(next(iter(dtypes))):
+            raise ValueError(f"item {item.id}: {next(iter(dtypes))} gradients cannot cross the link as "
+                             f"{item.wire_dtype} (only float32 and float64 gradients narrow)")
         wait_layer = layer_of_point(item.wait_at)
         if item.delay == 1:
             if item.wait_at != WAIT_BEFORE_NEXT_UPDATE or item.update_at != UPDATE_AT_NEXT_STEP:
@@ -566,13 +624,13 @@ class Plan:
 
     # -- display -----------------------------------------------------------------------
     def table(self, profile: Profile | None = None) -> str:
-        """Readable table: id, params, bytes, link, window, d, K, order, wait."""
-        header = ("id", "order", "bucket", "params", "bytes", "link", "window", "d", "K", "wait")
+        """Readable table: id, params, bytes (on the wire), wire dtype, link, window, d, K, order, wait."""
+        header = ("id", "order", "bucket", "params", "bytes", "wire", "link", "window", "d", "K", "wait")
         rows = [header]
         for item in self.items:
             nbytes = item.nbytes(profile) if profile is not None else item.numel
             rows.append((str(item.id), str(item.order), str(item.bucket),
-                         _describe_slices(item.slices, profile), str(nbytes), str(item.link),
+                         _describe_slices(item.slices, profile), str(nbytes), item.wire_dtype, str(item.link),
                          item.window, str(item.delay),
                          f"{item.period}" + (f"+{item.period_offset}" if item.period > 1 else ""),
                          item.wait_at))
@@ -617,6 +675,14 @@ def _describe_slices(slices: Sequence[ParamSlice], profile: Profile | None, limi
 def whole_param_slices(profile: Profile, params: Iterable[int]) -> tuple[ParamSlice, ...]:
     """Slices covering the given parameters entirely, in the given order."""
     return tuple(ParamSlice(p, 0, profile.params[p].numel) for p in params)
+
+
+def wire_for(profile: Profile, slices: Sequence[ParamSlice], wire_dtype: str) -> str:
+    """The wire dtype an item of ``slices`` takes when ``wire_dtype`` is asked for: it where the item's
+    gradients narrow, full precision otherwise (16-bit, integer or complex gradients keep their dtype)."""
+    if wire_dtype == WIRE_FULL or not slices or not may_narrow(profile.params[slices[0].param].dtype):
+        return WIRE_FULL
+    return wire_dtype
 
 
 def replace_item(item: CommItem, **changes: Any) -> CommItem:

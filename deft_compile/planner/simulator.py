@@ -54,6 +54,7 @@ from deft_compile.planner.plan import (
     Plan,
     Profile,
     layer_of_point,
+    wire_element_bytes,
 )
 
 _WINDOW_CODE = {WINDOW_FORWARD_NEXT: 0, WINDOW_BACKWARD_NEXT: 1, WINDOW_BACKWARD: 2, WINDOW_EXPOSED: 3}
@@ -191,8 +192,10 @@ def _structure(profile: Profile, plan: Plan) -> _Structure:
     for i, item in enumerate(items):
         nbytes = 0
         last_param = 0
+        narrowed = item.narrowed  # the bytes on the wire: a narrowed item's elements at the wire dtype's size
         for s in item.slices:
-            nbytes += s.count * element_bytes[s.param]
+            nbytes += s.count * (wire_element_bytes(params[s.param].dtype, item.wire_dtype) if narrowed
+                                 else element_bytes[s.param])
             if s.param > last_param:
                 last_param = s.param
         nbytes_of[i] = nbytes

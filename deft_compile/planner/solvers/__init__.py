@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import dataclasses
 
-from deft_compile.planner.plan import Plan, Profile
+from deft_compile.planner.plan import WIRE_DTYPES, WIRE_FULL, Plan, Profile, check_wire_dtype
 from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL, simulate
 from deft_compile.planner.solvers.bytescheduler import solve_bytescheduler
 from deft_compile.planner.solvers.deft import solve_deft
@@ -45,6 +45,12 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
     every policy: the plan records it and its prediction lets no update start before every gradient
     it applies arrived. The knapsacks need no change: a delayed bucket they place is hidden before
     the next update anyway, so the extra wait only shows where communication is exposed.
+
+    ``wire_dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) asks every item whose gradients narrow
+    (float32, float64) to cross the link in that dtype; the solver prices those items at their narrowed
+    bytes. ``wire_dtypes`` (the step passes ``DeftConfig.wire_dtypes``) are the dtypes allowed: a
+    ``wire_dtype`` outside them is an error. Without ``wire_dtype`` every policy sends full precision.
+    DLCP's chunk selection sends full precision only.
     """
     try:
         solver = SOLVERS[policy]
@@ -52,6 +58,7 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}") from None
     waits_for_all = bool(options.pop(UPDATE_WAITS_FOR_ALL, False))
     synchronous_schedule = options.pop("synchronous_schedule", None) if policy == "deft" else None
+    _check_wire(policy, options)
     plan = solver(profile, **options)
     if synchronous_schedule is not None:  # DeFT's delayed buckets, the synchronous rest on a priority schedule
         plan = with_priority_synchronous(profile, plan, synchronous_schedule)
@@ -59,6 +66,24 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
         plan = dataclasses.replace(plan, options={**plan.options, UPDATE_WAITS_FOR_ALL: True})
         plan.predicted_iteration_ms = simulate(profile, plan, record=False, check=False).iteration_ms
     return plan
+
+
+def _check_wire(policy: str, options: dict[str, Any]) -> None:
+    """Take ``wire_dtypes`` out of ``options`` and check ``wire_dtype`` against it; a full-precision
+    ``wire_dtype`` goes too (every solver's default)."""
+    allowed = tuple(options.pop("wire_dtypes", WIRE_DTYPES))
+    for dtype in allowed:
+        check_wire_dtype(dtype)
+    wire_dtype = check_wire_dtype(str(options.pop("wire_dtype", WIRE_FULL)))
+    if wire_dtype not in allowed:
+        raise ValueError(f"wire_dtype={wire_dtype!r} is not among the allowed wire dtypes {list(allowed)} "
+                         "(DeftConfig.wire_dtypes)")
+    if wire_dtype == WIRE_FULL:
+        return
+    if policy == "dlcp":
+        raise ValueError(f"policy 'dlcp' sends its chunks in full precision; wire_dtype={wire_dtype!r} is not "
+                         "supported")
+    options["wire_dtype"] = wire_dtype
 
 
 __all__ = ["POLICIES", "PRIORITY_SOLVERS", "SCHEDULING_POLICIES", "SOLVERS", "dssync_partition", "knapsack_01",

@@ -14,7 +14,8 @@ commit order; issuing in that order on a FIFO link reproduces the same
 timeline. Tuning: partition size by ternary search over powers of two
 (64 KiB .. 64 MiB, assuming the iteration time is unimodal in log size), then
 the credit (1, 2, 4, 8 partitions) by grid at the chosen size, both scored
-with the per-layer closed form (see ``per_layer``).
+with the per-layer closed form (see ``per_layer``). Sizes are the link's
+bytes: with ``wire_dtype`` a 16-bit partition holds twice the elements.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from collections import deque
 
 import numpy as np
 
-from deft_compile.planner.plan import CommItem, ParamSlice, Plan, Profile, before_forward_of_layer
-from deft_compile.planner.solvers.common import finish
+from deft_compile.planner.plan import WIRE_FULL, CommItem, ParamSlice, Plan, Profile, before_forward_of_layer, wire_for
+from deft_compile.planner.solvers.common import finish, wire_option
 from deft_compile.planner.solvers.per_layer import LayerContext, discrete_unimodal_argmin
 
 PARTITION_GRID = tuple(2 ** k for k in range(16, 27))  # 64 KiB .. 64 MiB
@@ -105,9 +106,12 @@ def solve_bytescheduler(
     credit: int | None = None,
     link: int = 0,
     max_items: int = DEFAULT_MAX_ITEMS,
+    wire_dtype: str = WIRE_FULL,
 ) -> Plan:
-    """ByteScheduler's plan; ``partition_bytes``/``credit`` (in partitions) tuned if None."""
-    ctx = LayerContext(profile)
+    """ByteScheduler's plan; ``partition_bytes``/``credit`` (in partitions) tuned if None; partitions of
+    gradients that narrow cross the link as ``wire_dtype``."""
+    options = {"link": int(link), "max_items": int(max_items), **wire_option(wire_dtype)}
+    ctx = LayerContext(profile, wire_dtype)
     total = int(ctx.param_bytes.sum())
     evaluated: dict[tuple[int, int], float] = {}
 
@@ -134,9 +138,8 @@ def solve_bytescheduler(
         part = chosen.parts[index]
         point = before_forward_of_layer(int(ctx.param_layer[part.param]))
         items.append(CommItem(id=position, slices=(part,), link=link, order=position,
-                              wait_at=point, update_at=point))
-    options = {"partition_bytes": int(partition_bytes), "credit": int(credit), "link": int(link),
-               "max_items": int(max_items)}
+                              wait_at=point, update_at=point, wire_dtype=wire_for(profile, (part,), wire_dtype)))
+    options = {"partition_bytes": int(partition_bytes), "credit": int(credit), **options}
     metadata = {"search": "ternary over log2 partition size, then credit grid",
                 "evaluated": [[s, c, t] for (s, c), t in sorted(evaluated.items())],
                 "closed_form_iteration_ms": chosen.iteration_ms, "total_bytes": total}

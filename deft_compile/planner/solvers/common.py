@@ -1,10 +1,10 @@
-"""Helpers the solvers share: DDP bucket items, slicing, finishing a plan."""
+"""Helpers the solvers share: DDP bucket items, slicing, the wire dtype option, finishing a plan."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from deft_compile.planner.plan import CommItem, ParamSlice, Plan, Profile, whole_param_slices
+from deft_compile.planner.plan import WIRE_FULL, CommItem, ParamSlice, Plan, Profile, check_wire_dtype, whole_param_slices
 from deft_compile.planner.simulator import simulate
 
 
@@ -38,6 +38,11 @@ def split_slices(slices: Sequence[ParamSlice], counts: Sequence[int]) -> list[tu
                 consumed = 0
         pieces.append(tuple(piece))
     return pieces
+
+
+def wire_option(wire_dtype: str) -> dict[str, str]:
+    """The plan option recording a narrowed wire; none for full precision, so such plans keep their hashes."""
+    return {} if check_wire_dtype(wire_dtype) == WIRE_FULL else {"wire_dtype": wire_dtype}
 
 
 def finish(profile: Profile, policy: str, items: list[CommItem], options: dict[str, Any],

@@ -35,6 +35,10 @@ Algorithm (our reading of Meng & Sun, see docs/PLANNER.md §3):
    than WFBP, the WFBP plan is returned, so the DeFT plan is never slower than
    WFBP in simulation.
 
+Costs are the link's bytes: with ``wire_dtype`` every bucket whose gradients
+narrow crosses the link in that 16-bit dtype, and its weight is the time of
+its narrowed bytes (DDP's buckets are still sized by the gradients' bytes).
+
 The knapsack DP is exact on weights discretised to ``capacity/units`` ms
 (weights rounded up, capacity down: a chosen set never over-fills the real
 capacity); ``units`` defaults to 1024.
@@ -58,13 +62,15 @@ from deft_compile.planner.plan import (
     WINDOW_BACKWARD,
     WINDOW_BACKWARD_NEXT,
     WINDOW_FORWARD_NEXT,
+    WIRE_FULL,
     CommItem,
     LinkCost,
     Plan,
     Profile,
+    wire_element_bytes,
 )
 from deft_compile.planner.simulator import BucketScheduleEvaluator, simulate
-from deft_compile.planner.solvers.common import finish, split_slices
+from deft_compile.planner.solvers.common import finish, split_slices, wire_option
 from deft_compile.planner.solvers.knapsack import DEFAULT_UNITS, discretise, knapsack_01
 from deft_compile.planner.solvers.wfbp import wfbp_items
 
@@ -221,6 +227,7 @@ def solve_deft(
     units: int = DEFAULT_UNITS,
     suffix_candidates: int = 10,
     tie_tolerance: float = 0.002,
+    wire_dtype: str = WIRE_FULL,
 ) -> Plan:
     """DeFT's plan (see module docstring). ``max_staleness=0`` returns WFBP's items.
 
@@ -253,17 +260,18 @@ def solve_deft(
         units: knapsack resolution, capacity/units ms.
         suffix_candidates: how many suffix starts to try.
         tie_tolerance: relative time difference treated as a tie.
+        wire_dtype: the dtype buckets of float32 gradients cross the link in.
     """
     options = _options(first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes,
                        max_staleness=max_staleness, allow_period=allow_period, max_period=max_period,
                        period_margin=period_margin, staleness_penalty_ms=staleness_penalty_ms,
                        staleness_prices=staleness_prices, update_prices=update_prices,
                        keep_synchronous=keep_synchronous, links=links, units=units,
-                       suffix_candidates=suffix_candidates, tie_tolerance=tie_tolerance)
+                       suffix_candidates=suffix_candidates, tie_tolerance=tie_tolerance, wire_dtype=wire_dtype)
     if max_staleness not in (0, 1):
         raise ValueError("max_staleness must be 0 or 1 (delays are at most one step)")
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
-    synchronous = wfbp_items(profile, buckets)
+    synchronous = wfbp_items(profile, buckets, wire_dtype=wire_dtype)
     if max_staleness == 0:
         return finish(profile, "deft", synchronous, options,
                       {"fallback": "max_staleness=0: synchronous DDP buckets"})
@@ -278,11 +286,7 @@ def solve_deft(
                            for key in ("staleness_prices", "update_prices"))
     group = np.array([b for b, _, _ in share_items], dtype=np.int64)
     same_as_wfbp = len(share_items) == n and all(link == 0 for _, link, _ in share_items)
-    if same_as_wfbp:
-        layout = Plan("deft", synchronous)  # same items as WFBP: reuse them
-    else:
-        layout = Plan("deft", [CommItem(id=i, slices=piece, link=link, order=i, bucket=b)
-                               for i, (b, link, piece) in enumerate(share_items)])
+    layout = _layout(synchronous, share_items, same_as_wfbp)
     evaluator = BucketScheduleEvaluator(profile, layout, group)
     evaluator.compute_ms = profile.forward_ms + profile.backward_ms + profile.update_ms  # prices are in this unit
 
@@ -315,7 +319,7 @@ def solve_deft(
                 "periodic_buckets": int((best.period > 1).sum()), "kept_synchronous": int(pinned.sum()),
                 "staleness_price_ms": best.price_ms}
     wfbp_ms = _wfbp_ms(profile, synchronous, evaluator if same_as_wfbp else None)
-    items = _items(share_items, best)
+    items = _items(share_items, best, [item.wire_dtype for item in synchronous])
     plan = finish(profile, "deft", items, options, metadata)
     if best.cost_ms >= wfbp_ms * (1 - tie_tolerance):
         reason = "knapsack plan not faster than WFBP" + (" once its staleness is priced" if best.price_ms else "")
@@ -327,7 +331,7 @@ def solve_deft(
 
 def _options(*, first_bucket_bytes, bucket_cap_bytes, max_staleness, allow_period, max_period, period_margin,
              staleness_penalty_ms, staleness_prices, update_prices, keep_synchronous, links, units,
-             suffix_candidates, tie_tolerance) -> dict[str, Any]:
+             suffix_candidates, tie_tolerance, wire_dtype) -> dict[str, Any]:
     """The plan's options, normalised (what its hash covers)."""
     options = {"first_bucket_bytes": int(first_bucket_bytes), "bucket_cap_bytes": int(bucket_cap_bytes),
                "max_staleness": int(max_staleness), "allow_period": bool(allow_period),
@@ -335,11 +339,21 @@ def _options(*, first_bucket_bytes, bucket_cap_bytes, max_staleness, allow_perio
                "staleness_penalty_ms": float(staleness_penalty_ms),
                "keep_synchronous": sorted({str(name) for name in keep_synchronous}),
                "links": None if links is None else [int(l) for l in links], "units": int(units),
-               "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance)}
+               "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance),
+               **wire_option(wire_dtype)}
     for key, given in (("staleness_prices", staleness_prices), ("update_prices", update_prices)):
         if given:  # only when priced, so unpriced plans keep the hashes they always had
             options[key] = {str(k): float(v) for k, v in sorted(given.items())}
     return options
+
+
+def _layout(synchronous: list[CommItem], share_items: list[tuple[int, int, tuple]], same_as_wfbp: bool) -> Plan:
+    """The items every candidate schedules: WFBP's where the shares are its buckets, else one per share (bucket
+    ``b``'s shares sent in its wire dtype)."""
+    if same_as_wfbp:
+        return Plan("deft", synchronous)  # same items as WFBP: reuse them
+    return Plan("deft", [CommItem(id=i, slices=piece, link=link, order=i, bucket=b, wire_dtype=synchronous[b].wire_dtype)
+                         for i, (b, link, piece) in enumerate(share_items)])
 
 
 def _wfbp_ms(profile: Profile, synchronous: list[CommItem], evaluator: BucketScheduleEvaluator | None) -> float:
@@ -360,7 +374,8 @@ def _bucket_prices(profile: Profile, buckets: list[list[int]], prices: dict[str,
 def _bucket_shares(profile: Profile, buckets: list[list[int]], synchronous: list[CommItem],
                    link_ids: list[int]) -> tuple[list[tuple[int, int, tuple]], np.ndarray, np.ndarray, np.ndarray]:
     """Each bucket's shares over the links DeFT may use: (the items as (bucket, link, slices), each bucket's load
-    per link, each bucket's cost (its slowest share), each bucket's bytes)."""
+    per link, each bucket's cost (its slowest share), each bucket's bytes), in bytes on the wire (the bucket's
+    synchronous item's wire dtype)."""
     n = len(buckets)
     slices = [item.slices for item in synchronous]
     share_items: list[tuple[int, int, tuple]] = []  # (bucket, link, slices)
@@ -369,7 +384,7 @@ def _bucket_shares(profile: Profile, buckets: list[list[int]], synchronous: list
     bucket_bytes = np.zeros(n, dtype=np.int64)
     for b, bucket in enumerate(buckets):
         numel = sum(profile.params[p].numel for p in bucket)
-        element_bytes = profile.params[bucket[0]].element_bytes
+        element_bytes = wire_element_bytes(profile.params[bucket[0]].dtype, synchronous[b].wire_dtype)
         shares = link_shares(numel, element_bytes, profile.links, link_ids)
         pieces = split_slices(slices[b], [c for _, c in shares])
         for (link, count), piece in zip(shares, pieces):
@@ -433,7 +448,8 @@ def _issue_rank(kind: np.ndarray, group: np.ndarray) -> np.ndarray:
     return rank
 
 
-def _items(share_items: list[tuple[int, int, tuple]], best: _Candidate) -> list[CommItem]:
+def _items(share_items: list[tuple[int, int, tuple]], best: _Candidate, wire: list[str]) -> list[CommItem]:
+    """The chosen candidate's items; bucket ``b``'s shares cross the link as ``wire[b]``."""
     group = np.array([b for b, _, _ in share_items], dtype=np.int64)
     rank = _issue_rank(best.kind, group)
     items = []
@@ -446,5 +462,5 @@ def _items(share_items: list[tuple[int, int, tuple]], best: _Candidate) -> list[
                     _SYNC: WINDOW_BACKWARD}[kind],
             delay=int(delayed), period=int(best.period[b]), period_offset=int(best.offset[b]),
             order=int(rank[i]), wait_at=WAIT_BEFORE_NEXT_UPDATE if delayed else WAIT_END_OF_BACKWARD,
-            update_at=UPDATE_AT_NEXT_STEP if delayed else UPDATE_AT_STEP, bucket=b))
+            update_at=UPDATE_AT_NEXT_STEP if delayed else UPDATE_AT_STEP, bucket=b, wire_dtype=wire[b]))
     return items

@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
-from deft_compile.planner.plan import Plan, Profile
-from deft_compile.planner.solvers.common import finish
+from deft_compile.planner.plan import WIRE_FULL, Plan, Profile
+from deft_compile.planner.solvers.common import finish, wire_option
 from deft_compile.planner.solvers.wfbp import wfbp_items
 
 
@@ -43,8 +43,9 @@ def solve_dssync(
     average: str = "parameters",
     first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
     bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+    wire_dtype: str = WIRE_FULL,
 ) -> Plan:
-    """DDP's buckets, to be all-reduced within the step's group (see module docstring).
+    """DDP's buckets, to be all-reduced within the step's group (see module docstring), as ``wire_dtype``.
 
     ``average="parameters"`` (the default: DS-Sync "synchronizes the workers in the same group") keeps
     gradients local, updates locally, and averages the parameters (and buffers) within the group after
@@ -55,9 +56,13 @@ def solve_dssync(
     """
     if average not in ("gradients", "parameters"):
         raise ValueError(f"average must be 'gradients' or 'parameters', not {average!r}")
+    if wire_dtype != WIRE_FULL and average == "parameters":
+        raise ValueError(f"wire_dtype={wire_dtype!r} needs average='gradients': with 'parameters' no gradient "
+                         "crosses the link")
     dssync_partition(profile.world_size, group_size, 0, seed=seed, shuffle_every=shuffle_every)
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
     options = {"group_size": int(group_size), "shuffle_every": int(shuffle_every), "seed": int(seed), "average": average,
-               "first_bucket_bytes": int(first_bucket_bytes), "bucket_cap_bytes": int(bucket_cap_bytes)}
-    return finish(profile, "dssync", wfbp_items(profile, buckets), options,
+               "first_bucket_bytes": int(first_bucket_bytes), "bucket_cap_bytes": int(bucket_cap_bytes),
+               **wire_option(wire_dtype)}
+    return finish(profile, "dssync", wfbp_items(profile, buckets, wire_dtype=wire_dtype), options,
                   {"buckets": len(buckets), "note": "predicted with the whole-world link cost (an upper bound)"})

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from deft_compile.planner.plan import CommItem, Plan, Profile
+from deft_compile.planner.plan import WIRE_FULL, CommItem, Plan, Profile
 from deft_compile.planner.solvers.bytescheduler import solve_bytescheduler
 from deft_compile.planner.solvers.common import finish
 from deft_compile.planner.solvers.usbyte import solve_usbyte
@@ -38,7 +38,8 @@ def with_priority_synchronous(profile: Profile, plan: Plan, schedule: str) -> Pl
     """``plan`` (DeFT's) with its synchronous parameters carried by ``schedule``'s priority plan.
 
     The result keeps the policy and options of ``plan`` plus ``synchronous_schedule``; its metadata records
-    the priority plan's options. A plan with no delays or periods becomes the priority plan's items alone.
+    the priority plan's options. A plan with no delays or periods becomes the priority plan's items alone. The
+    priority plan sends in ``plan``'s fixed wire dtype (its ``wire_dtype`` option).
     """
     if schedule not in PRIORITY_SOLVERS:
         raise ValueError(f"synchronous_schedule must be one of {', '.join(PRIORITY_SOLVERS)}; got {schedule!r}")
@@ -47,7 +48,7 @@ def with_priority_synchronous(profile: Profile, plan: Plan, schedule: str) -> Pl
                          "(DeFT's multi-link plan splits synchronous buckets over the links)")
     stale = sorted((item for item in plan.items if item.delay or item.period > 1), key=lambda item: item.order)
     stale_params = {s.param for item in stale for s in item.slices}
-    priority = PRIORITY_SOLVERS[schedule](profile)
+    priority = PRIORITY_SOLVERS[schedule](profile, wire_dtype=plan.options.get("wire_dtype", WIRE_FULL))
     rest = []  # the priority items less the delayed parameters (a US-Byte block may cross parameters)
     for item in sorted(priority.items, key=lambda item: item.order):
         slices = tuple(s for s in item.slices if s.param not in stale_params)

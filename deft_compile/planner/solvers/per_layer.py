@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from deft_compile.planner.plan import Profile
+from deft_compile.planner.plan import WIRE_FULL, Profile, wire_element_bytes
 
 
 class LayerContext:
-    """Arrays of a profile that the per-layer evaluators need, built once per solve."""
+    """Arrays of a profile that the per-layer evaluators need, built once per solve.
 
-    def __init__(self, profile: Profile) -> None:
+    Sizes are on the wire: ``element_bytes`` and ``param_bytes`` count each gradient element at the size it
+    crosses the link in (``wire_dtype`` for gradients that narrow, their own otherwise), so partitions, blocks
+    and their costs are in the link's bytes."""
+
+    def __init__(self, profile: Profile, wire_dtype: str = WIRE_FULL) -> None:
         params = profile.params
         self.layers = np.array(sorted({p.layer for p in params}), dtype=np.int64)
         self.param_layer = np.array([p.layer for p in params], dtype=np.int64)
@@ -30,9 +34,9 @@ class LayerContext:
                                          weights=np.array([p.forward_ms for p in params]),
                                          minlength=len(self.layers))
         self.param_update = np.array([p.update_ms for p in params], dtype=float)
-        self.param_bytes = np.array([p.nbytes for p in params], dtype=np.int64)
         self.param_numel = np.array([p.numel for p in params], dtype=np.int64)
-        self.element_bytes = np.array([p.element_bytes for p in params], dtype=np.int64)
+        self.element_bytes = np.array([wire_element_bytes(p.dtype, wire_dtype) for p in params], dtype=np.int64)
+        self.param_bytes = self.param_numel * self.element_bytes
         self.keys = profile.bucket_keys()
         #: gradient-ready time of each param, measured from the backward start
         self.ready = profile.extra_backward_ms + np.cumsum([p.backward_ms for p in params])

@@ -21,7 +21,8 @@ layer is pure input-first. We grid-search λ over 7 layer quantiles at scale 1,
 then the scale over {0.5, 1, 2, 4} at the best λ, scoring each with the
 per-layer closed form (see ``per_layer``). Each item is waited for before the
 forward of the lowest layer it carries; a parameter is updated after the last
-of its items.
+of its items. Sizes are the link's bytes: with ``wire_dtype`` a 16-bit block
+holds twice the elements.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import math
 
 import numpy as np
 
-from deft_compile.planner.plan import CommItem, ParamSlice, Plan, Profile, before_forward_of_layer
-from deft_compile.planner.solvers.common import finish
+from deft_compile.planner.plan import WIRE_FULL, CommItem, ParamSlice, Plan, Profile, before_forward_of_layer, wire_for
+from deft_compile.planner.solvers.common import finish, wire_option
 from deft_compile.planner.solvers.per_layer import LayerContext
 
 SCALE_GRID = (0.5, 1.0, 2.0, 4.0)
@@ -125,9 +126,12 @@ def solve_usbyte(
     min_block_bytes: int | None = None,
     phase2_min_bytes: int | None = None,
     link: int = 0,
+    wire_dtype: str = WIRE_FULL,
 ) -> Plan:
-    """US-Byte's plan; ``split_layer`` and ``scale`` are searched when None."""
-    ctx = LayerContext(profile)
+    """US-Byte's plan; ``split_layer`` and ``scale`` are searched when None; blocks of gradients that narrow
+    cross the link as ``wire_dtype``."""
+    wire = wire_option(wire_dtype)
+    ctx = LayerContext(profile, wire_dtype)
     cost = profile.links[link]
     alpha, beta = cost.alpha_ms, cost.beta_ms_per_byte
     break_even = int(alpha / beta) if beta > 0 else 1 << 20
@@ -156,10 +160,11 @@ def solve_usbyte(
     for position, (group, pos) in enumerate(zip(chosen.groups, chosen.wait_pos)):
         point = before_forward_of_layer(int(ctx.layers[pos]))
         items.append(CommItem(id=position, slices=tuple(group), link=link, order=position,
-                              wait_at=point, update_at=point, bucket=position))
+                              wait_at=point, update_at=point, bucket=position,
+                              wire_dtype=wire_for(profile, group, wire_dtype)))
     options = {"split_layer": int(split_layer), "scale": float(scale),
                "min_block_bytes": int(min_block_bytes), "phase2_min_bytes": int(phase2_min_bytes),
-               "link": int(link)}
+               "link": int(link), **wire}
     metadata = {"search": "grid over split layer (7 quantiles), then scale grid",
                 "evaluated": [[lam, sc, t] for (lam, sc), t in sorted(evaluated.items())],
                 "closed_form_iteration_ms": chosen.iteration_ms}
