@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
+from deft_compile.planner.plan import WIRE_DTYPES, WIRE_FULL, check_wire_dtype
 from deft_compile.preserver import PreserverConfig
 from deft_compile.planner.closed_loop import ClosedLoopConfig
 from deft_compile.compilers import check_compiler, default_compiler
@@ -102,6 +103,11 @@ class DeftConfig(BucketSizes):
             profile you give keeps its own, and the closed loop's refinement replaces it. 0, an accelerator's,
             because the first-step probe is noisy on a shared CPU host (it varies several-fold across launches
             of one model and link) and the closed loop measures it there from the step thread's run-queue delay.
+        wire_dtypes: the dtypes a plan may send gradients over the link in (``"float32"``, the gradients as
+            they are, and the 16-bit ``"bfloat16"`` and ``"float16"``); ``plan_options={"wire_dtype": ...}``
+            asks for one of them for every bucket of float32 gradients. All three by default, so that ``deft``
+            may narrow a bucket where it measures it harmless, while ``wfbp``, ``bytescheduler`` and ``usbyte``
+            send float32, DDP's numbers, unless ``wire_dtype`` asks.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
@@ -123,6 +129,7 @@ class DeftConfig(BucketSizes):
     delayed_update: str = "auto"
     contention: float | None = 0.0
     dynamic_shapes: bool = True
+    wire_dtypes: tuple[str, ...] = WIRE_DTYPES
 
     def __post_init__(self) -> None:
         if self.delayed_update not in DELAYED_UPDATES:
@@ -149,5 +156,14 @@ class DeftConfig(BucketSizes):
         if self.contention is not None and not 0.0 <= self.contention <= 1.0:
             raise ValueError(f"contention must be in [0, 1], or None to measure it; got {self.contention}")
         check_compiler(self.compiler, source="DeftConfig.compiler")
+        object.__setattr__(self, "wire_dtypes", tuple(self.wire_dtypes))
+        for dtype in self.wire_dtypes:
+            check_wire_dtype(dtype)
+        if WIRE_FULL not in self.wire_dtypes:
+            raise ValueError(f"wire_dtypes must include {WIRE_FULL!r} (full precision: 16-bit gradients and "
+                             f"buckets that do not narrow cross the link as they are); got {self.wire_dtypes}")
+        wire_dtype = self.plan_options.get("wire_dtype", WIRE_FULL)
+        if wire_dtype not in self.wire_dtypes:
+            raise ValueError(f"plan_options wire_dtype={wire_dtype!r} is not in wire_dtypes {self.wire_dtypes}")
         for spec in self.links:
             parse_link(spec)

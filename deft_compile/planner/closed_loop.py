@@ -454,10 +454,11 @@ def duel_block_steps(measured: Measured, challenger, incumbent, config: ClosedLo
 # --------------------------------------------------------------------------------------------- candidates
 def synchronous_candidate(policy: str, plan, profile, solve_own: Callable[[dict], Any]):
     """DDP's buckets, no delays or periods: the synchronous candidate every step measures (``deft``'s own solver
-    with ``max_staleness=0`` through ``solve_own``; otherwise ``wfbp`` with the plan's bucket sizes)."""
+    with ``max_staleness=0`` through ``solve_own``; otherwise ``wfbp`` with the plan's bucket sizes and wire
+    dtype)."""
     if policy == "deft":
         return solve_own({**plan.options, "max_staleness": 0, "allow_period": False})
-    options = {k: v for k, v in plan.options.items() if k in ("first_bucket_bytes", "bucket_cap_bytes")}
+    options = {k: v for k, v in plan.options.items() if k in ("first_bucket_bytes", "bucket_cap_bytes", "wire_dtype")}
     return solve(profile, "wfbp", **options)
 
 

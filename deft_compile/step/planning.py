@@ -205,8 +205,10 @@ class StepPlanning:
     # -- solving and switching ----------------------------------------------------------------------
     def solver_options(self) -> dict[str, Any]:
         """The solver options of this step's own plan: the user's ``plan_options`` with what the configuration
-        implies (DDP bucket sizes, updates that wait for every gradient under clipping or loss scaling)."""
+        implies (DDP bucket sizes, updates that wait for every gradient under clipping or loss scaling, the wire
+        dtypes allowed)."""
         options: dict[str, Any] = dict(self.config.plan_options)
+        options.setdefault("wire_dtypes", list(self.config.wire_dtypes))
         if self.config.max_grad_norm is not None or self.loss_scaler is not None:
             options.setdefault(UPDATE_WAITS_FOR_ALL, True)  # the gradient_guards pass makes updates wait for all
         if self.policy_runtime.uses_buckets:
