@@ -10,6 +10,11 @@ this pass rewrites those ops on intermediate tensors into their functional forms
 later reader of the mutated tensor reads the new value instead. Only ops whose mutated
 tensor is an intermediate, a kept buffer (``get_attr``) or a carried input are rewritten.
 
+A narrowed bucket (a 16-bit wire, ``passes/schedule.py``) is cast into a kept wire buffer
+(``copy_``), divided there (``div_``) and copied back into its kept float32 bucket (``copy_``):
+those two ops are rewritten only where they write a kept buffer, since a ``copy_`` or ``div_`` the
+capture holds may write a view (a slice assignment), whose base a functional form would not update.
+
 Graph inputs stay mutated in place (parameter, buffer and optimizer-state updates), except the
 carries (``GraphLayout.carry_inputs``): a delayed bucket's local gradient that the previous call
 handed over and this call all-reduces at the start of its forward. Nothing reads a carry input
@@ -32,6 +37,11 @@ _FUNCTIONAL = {
     aten.mul_.Tensor: aten.mul.Tensor,
     aten.mul_.Scalar: aten.mul.Scalar,
 }
+# rewritten only where the tensor they write is a kept buffer (``get_attr``): a narrowed bucket's cast and copy back
+_KEPT_ONLY = {
+    aten.copy_.default: aten.copy.default,
+    aten.div_.Tensor: aten.div.Tensor,
+}
 
 
 def _mutated(node: fx.Node) -> fx.Node | None:
@@ -40,7 +50,7 @@ def _mutated(node: fx.Node) -> fx.Node | None:
         return None
     if node.target is aten.cat.out:
         return node.kwargs.get("out")
-    if node.target in _FUNCTIONAL:
+    if node.target in _FUNCTIONAL or node.target in _KEPT_ONLY:
         return node.args[0]
     return None
 
@@ -76,11 +86,14 @@ def functionalize_bucket_ops(gm: fx.GraphModule) -> fx.GraphModule:
         node.kwargs = fx.map_arg(node.kwargs, current)
         if target is None or (root(target).op == "placeholder" and root(target) not in carried):
             continue
+        if node.target in _KEPT_ONLY and root(target).op != "get_attr":
+            continue
         with graph.inserting_before(node):
             if node.target is aten.cat.out:
                 replacement = graph.call_function(aten.cat.default, node.args, {k: v for k, v in node.kwargs.items() if k != "out"})
             else:
-                replacement = graph.call_function(_FUNCTIONAL[node.target], node.args, dict(node.kwargs))
+                functional = _FUNCTIONAL.get(node.target) or _KEPT_ONLY[node.target]
+                replacement = graph.call_function(functional, node.args, dict(node.kwargs))
         replacement.meta.update(node.meta)
         base = root(target)
         identity[node] = base

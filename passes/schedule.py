@@ -55,6 +55,16 @@ costs. The averaged gradients the update reads (and ``param.grad``) are views of
 that buffer until the next call, as with DDP's ``gradient_as_bucket_view``.
 Carried items (next-forward, next-update, accumulations) leave the graph, so
 they get a fresh buffer per call (still written once, scaled in place).
+
+An item with a 16-bit ``wire_dtype`` crosses the link in that dtype, with the
+arithmetic of DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``: the
+flat float32 gradient is cast to the wire dtype and divided in place by the
+world size there (``buffer.to(dtype).div_(world_size)``, so float16 does not
+overflow in the sum), all-reduced in place on the cast buffer, waited for, and
+copied back into float32 (into the persistent bucket for items applied in this
+step, which the gradients view, as DDP's decompression copies into its
+bucket). An accumulated sum of ``count`` gradients is divided by ``count`` in
+float32 before the cast. A carried narrowed item carries the 16-bit tensor.
 """
 
 from __future__ import annotations
@@ -120,6 +130,7 @@ class ScheduledItem:
     offset: int = 0
     drop: DropSpec | None = None
     local_first: bool = False  # next-update, period 1: apply the local gradient now, correct it next step
+    wire_dtype: torch.dtype | None = None  # the 16-bit dtype it crosses the link in; None: the gradients' own
 
     @property
     def params(self) -> list[int]:
@@ -223,6 +234,8 @@ class _ScheduleRewriter:
         self._moved: set[fx.Node] = set()
         self.apply_mode: dict[int, str] = {}
         for item in items:
+            if item.wire_dtype is not None and item.drop is not None:
+                raise ValueError(f"item {item.id}: a chunk-dropping item (DLCP) sends full precision only")
             for p in item.params:
                 if self.apply_mode.setdefault(p, item.apply) != item.apply:
                     raise ValueError(f"parameter {p} is split over items applied at different times")
@@ -318,6 +331,39 @@ class _ScheduleRewriter:
             return self.graph.call_function(aten.mul_.Tensor, (flat, self._scale_factor(item)))
         return self.graph.call_function(aten.mul.Tensor, (flat, self._scale_factor(item)))
 
+    def _to_wire(self, local: fx.Node, item: ScheduledItem, *, owned: bool = False,
+                 bucket: bool = False) -> fx.Node:
+        """What ``item`` launches: ``local`` (its flat local gradient, or an accumulated sum) scaled for the mean.
+
+        Full precision: scaled by 1/(count * world) (``_scaled``). A 16-bit wire: divided by ``count`` in the
+        gradient's dtype when it sums several, cast to the wire dtype and divided there by the world size in
+        place, as DDP's compression hooks do (``buffer.to(dtype).div_(world_size)``). ``bucket``: the cast goes
+        into a persistent wire buffer (items applied in this step), else into a fresh tensor."""
+        if item.wire_dtype is None:
+            return self._scaled(local, item, owned=owned)
+        count = self.phases[item.id].count
+        if count > 1:
+            op = aten.mul_.Tensor if owned else aten.mul.Tensor
+            local = self._made(self.graph.call_function(op, (local, 1.0 / count)))
+        if bucket:
+            numel = sum(s.count for s in item.slices)
+            device = self.markers[item.slices[0].param].meta["val"].device
+            wire = persistent_buffer(self.gm, self.graph, f"_deft_wire_{item.id}", numel, item.wire_dtype, device)
+            cast = self.graph.call_function(aten.copy_.default, (wire, local))
+        else:
+            cast = self.graph.call_function(aten._to_copy.default, (local,), {"dtype": item.wire_dtype})
+        return self.graph.call_function(aten.div_.Tensor, (cast, item.world_size))
+
+    def _from_wire(self, averaged: fx.Node, item: ScheduledItem, *, bucket: fx.Node | None = None) -> fx.Node:
+        """The waited result of ``item``'s all-reduce in the gradient's dtype: as it is at full precision; a
+        16-bit wire's copied back into ``bucket`` (the persistent float32 bucket its gradients view) or cast."""
+        if item.wire_dtype is None:
+            return averaged
+        if bucket is not None:
+            return self.graph.call_function(aten.copy_.default, (bucket, averaged))
+        dtype = self.markers[item.slices[0].param].meta["val"].dtype
+        return self.graph.call_function(aten._to_copy.default, (averaged,), {"dtype": dtype})
+
     def _owned(self, node: fx.Node) -> bool:
         """Whether ``node`` is a fresh tensor only this item's emission made (safe to write in place). A 1-D
         gradient goes into a single-piece item as itself, not a view node: it may come from an ``add`` (a tied
@@ -412,7 +458,8 @@ class _ScheduleRewriter:
                 launches and item.apply == APPLY_THIS_STEP and item.drop is None and not phase.accumulated_in
             )
             with self.graph.inserting_before(insert_at):
-                local = self._local_flat(item, bucket=self._bucket(item) if persistent else None)
+                bucket = self._bucket(item) if persistent else None
+                local = self._local_flat(item, bucket=bucket)
                 if phase.accumulated_in:
                     local = self._made(self.graph.call_function(aten.add.Tensor, (carried[accumulator_key(item.id)], local)))
                 if item.drop is not None:
@@ -429,10 +476,10 @@ class _ScheduleRewriter:
                     self._carry_out[accumulator_key(item.id)] = local
                     continue
                 if item.local_first:  # applied in this step: the carried copy is a scaled copy
-                    self._carry_out[pending_key(item.id)] = self._scaled(local, item)
+                    self._carry_out[pending_key(item.id)] = self._to_wire(local, item)
                     self._local_now[item.id] = local
                     continue
-                flat = self._scaled(local, item, owned=self._owned(local))
+                flat = self._to_wire(local, item, owned=self._owned(local), bucket=persistent)
                 if item.apply == APPLY_NEXT_UPDATE:
                     self._carry_out[pending_key(item.id)] = flat
                     continue
@@ -444,7 +491,7 @@ class _ScheduleRewriter:
                 continue
             point = self._first_update(item.params)
             with self.graph.inserting_before(point):
-                averaged = self.graph.call_function(WAIT, (reduced,))
+                averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item, bucket=bucket)
             self._collect(item, averaged, point, move=False)
 
     def _send_chunks(self, item: ScheduledItem, local: fx.Node):
@@ -515,7 +562,7 @@ class _ScheduleRewriter:
                         (self._first_forward_use(p) for p in item.params), key=self.order.__getitem__
                     )
                     with self.graph.inserting_before(point):
-                        averaged = self.graph.call_function(WAIT, (pending,))
+                        averaged = self._from_wire(self.graph.call_function(WAIT, (pending,)), item)
                     self._collect(item, averaged, point, move=not self.flush)
                     self._carried_rate_params.update(item.params)
                     continue
@@ -524,15 +571,15 @@ class _ScheduleRewriter:
                     reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
                 point = self._first_update(item.params)
                 with self.graph.inserting_before(point):
-                    averaged = self.graph.call_function(WAIT, (reduced,))
+                    averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item)
                 self._collect(item, averaged, point, move=False)
             elif self.flush and phase.accumulated_in:
                 with self.graph.inserting_before(self.first_compute):
-                    flat = self._scaled(carried[accumulator_key(item.id)], item)  # the copy that is launched
+                    flat = self._to_wire(carried[accumulator_key(item.id)], item)  # the copy that is launched
                     reduced = self.graph.call_function(ALL_REDUCE_, (flat, "sum", item.group_name))
                 point = self._first_update(item.params)
                 with self.graph.inserting_before(point):
-                    averaged = self.graph.call_function(WAIT, (reduced,))
+                    averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item)
                 self._collect(item, averaged, point, move=False)
 
     def _carry_rates_out(self) -> None:
@@ -584,10 +631,11 @@ class _ScheduleRewriter:
             return
         pending = carried[pending_key(item.id)]
         with self.graph.inserting_before(self._carried_launch_point(item)):
-            previous = self.graph.call_function(aten.mul.Tensor, (pending, float(item.world_size)))
+            # the previous local gradient as it was sent (in the gradient's dtype: g_{t-1} rounded to the wire)
+            previous = self.graph.call_function(aten.mul.Tensor, (self._from_wire(pending, item), float(item.world_size)))
             reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
         with self.graph.inserting_before(point):
-            averaged = self.graph.call_function(WAIT, (reduced,))
+            averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item)
             correction = self.graph.call_function(aten.sub.Tensor, (averaged, previous))
             applied = self.graph.call_function(aten.add.Tensor, (local, correction))
         self._collect(item, applied, point, move=False)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from deft_compile.step.annotate import StepAnnotation
 from deft_compile.step.capture import CapturedStep
 from deft_compile.passes.schedule import (
@@ -33,6 +35,7 @@ from deft_compile.planner.plan import (
     WINDOW_BACKWARD_NEXT,
     WINDOW_EXPOSED,
     WINDOW_FORWARD_NEXT,
+    WIRE_FULL,
     LinkCost,
     ParamProfile,
     Plan,
@@ -63,6 +66,11 @@ class ProfileIndex:
 
 def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def wire_torch_dtype(wire_dtype: str) -> torch.dtype | None:
+    """The torch dtype a plan item's ``wire_dtype`` casts to; None for full precision (no cast)."""
+    return None if wire_dtype == WIRE_FULL else getattr(torch, wire_dtype)
 
 
 def static_profile(
@@ -152,6 +160,7 @@ def scheduled_items(
                 period=item.period,
                 offset=item.period_offset,
                 drop=drop,
+                wire_dtype=wire_torch_dtype(item.wire_dtype),
             )
         )
     return items
