@@ -10,7 +10,8 @@ through the two classes here instead:
   reader's storage records, ``torch.Size``, dtypes, layouts, memory formats and paths); a pickle naming anything
   else raises ``DeftError`` before it is called.
 - ``PlainLoadPlanner``: DCP's default load planner whose bytes entries load with ``torch.load(weights_only=True)``
-  (``deft_compile.safe_load``), ``io.BytesIO`` allowed (DCP stores a bytes entry as a pickled ``BytesIO``).
+  (``deft_compile.safe_load``), ``io.BytesIO`` and ``bytes`` allowed (DCP stores a bytes entry as a pickled
+  ``BytesIO``; an empty one pickles as a call of ``bytes``).
 
 A refusal raised inside ``dcp.load`` reaches every rank wrapped in DCP's ``CheckpointException``;
 ``refusal_in`` finds it there.
@@ -122,7 +123,7 @@ class PlainLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         hint = CONVERT_HINT if fqn.startswith("deft.step.") else EXTRA_HINT
-        loaded = load_weights_only(value, f"entry {fqn!r} of checkpoint {self.where!r}", allow=(io.BytesIO,),
+        loaded = load_weights_only(value, f"entry {fqn!r} of checkpoint {self.where!r}", allow=(io.BytesIO, bytes),
                                    hint=hint)
         if self.flatten_state_dict:
             if set_element is None:  # pragma: no cover

@@ -6,10 +6,10 @@ checkpoint runs whatever the file names. ``weights_only=True`` unpickles tensors
 only and refuses anything else before calling it. ``load_weights_only`` is that load with its failures told
 apart, so a caller never sees a pickle traceback:
 
-- a file that is empty, or a zip archive torch cannot read to its end (a truncated or damaged copy):
+- a file that is empty, or a zip archive that cannot be read to its end (a truncated or damaged copy):
   ``TornCheckpointError``;
-- a file that is not a ``torch.save`` zip archive, or whose pickle names something ``weights_only`` refuses:
-  ``DeftError`` naming what it is and what it names. Nothing is unpickled in another way.
+- a file that is not a ``torch.save`` zip archive (no ``data.pkl``), or whose pickle names something
+  ``weights_only`` refuses: ``DeftError`` naming what it is and what it names. Nothing is unpickled in another way.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import io
 import os
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,18 +49,21 @@ def load_weights_only(source: str | os.PathLike | io.BytesIO | bytes, what: str,
         raise DeftError(f"{what} is not a file torch.save writes (it does not start as a zip archive, "
                         f"{data[:8]!r}...): refused, and nothing in it was unpickled")
     try:
+        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    except (zipfile.BadZipFile, EOFError, ValueError, OSError) as error:  # no central directory: cut short
+        raise TornCheckpointError(f"{what} is truncated or damaged: it starts as a zip archive but cannot be read as "
+                                  f"one ({error}); resume from an earlier checkpoint") from None
+    if not any(name.endswith("data.pkl") for name in names):
+        raise DeftError(f"{what} is not a file torch.save writes: a zip archive without data.pkl "
+                        f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})")
+    try:
         with torch.serialization.safe_globals(list(allow)):
             return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as error:
         raise DeftError(f"{what} holds a pickle that loading would have to run code for "
                         f"({_refused_part(str(error))}): refused, and nothing it names was called. deft_compile "
                         f"reads checkpoints as tensors and plain data only; {hint}") from None
-    except RuntimeError as error:
-        if "failed locating file" in str(error):  # a zip, but not one torch.save wrote
-            raise DeftError(f"{what} is not a file torch.save writes ({_first_line(error)})") from None
-        raise TornCheckpointError(f"{what} is truncated or damaged: torch cannot read it "
-                                  f"({_first_line(error)}); resume from an earlier checkpoint") from None
-    except (EOFError, ValueError, KeyError, IndexError, OSError) as error:
+    except (RuntimeError, EOFError, ValueError, KeyError, IndexError, OSError) as error:
         raise TornCheckpointError(f"{what} is truncated or damaged: torch cannot read it "
                                   f"({type(error).__name__}: {_first_line(error)}); resume from an earlier "
                                   f"checkpoint") from None
@@ -77,8 +81,8 @@ def _bytes_of(source: str | os.PathLike | io.BytesIO | bytes, what: str) -> byte
 
 
 def _first_line(error: BaseException) -> str:
-    """The first sentence of the error's message (torch's go on with advice for its own loader)."""
-    return (str(error).strip().splitlines() or [""])[0].split(". ")[0][:300]
+    """The error's message up to torch's advice for its own loader."""
+    return (str(error).strip().splitlines() or [""])[0].split(". This is an internal")[0][:300]
 
 
 def _refused_part(message: str) -> str:
