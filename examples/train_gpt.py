@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from corpus import load_stdlib_corpus as load_corpus  # examples/corpus.py, beside this script
 from corpus import random_windows as batch
-from deft_compile import DeftConfig, deft_compile
+from deft_compile import DeftConfig, deft_compile, step_state
 from deft_compile.tools.launcher import init_from_torchrun
 from deft_compile.tools.presets import GPT2Style
 
@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     step = deft_compile(model, optimizer, policy=args.policy, config=DeftConfig())
     start = 0
     if args.resume:
-        state = torch.load(args.resume, map_location=device, weights_only=False)
+        # tensors and plain data only: loading a checkpoint runs no code from it
+        state = torch.load(args.resume, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        step.load_state_dict(state["step"])
+        step.load_state_dict(step_state.from_plain(state["step"]))
         start = state["iteration"]
         log(f"resumed from {args.resume} at step {start}")
     log(f"corpus: {corpus.numel() / 1e6:.2f} MB of Python stdlib sources ({sysconfig.get_paths()['stdlib']}); "
@@ -126,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         log("sample: " + repr(sample(model, b"def ", 80, args.context, device)))
     if args.checkpoint:
         worker.save_checkpoint(args.checkpoint, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step.state_dict(),
-            "iteration": start + args.steps, "args": vars(args)})
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "step": step_state.to_plain(step.state_dict()), "iteration": start + args.steps, "args": vars(args)})
     worker.finish()
     return 0
 

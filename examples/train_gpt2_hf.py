@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from corpus import load_stdlib_corpus, random_windows  # examples/corpus.py, beside this script
-from deft_compile import DeftConfig, deft_compile
+from deft_compile import DeftConfig, deft_compile, step_state
 from deft_compile.tools.launcher import init_from_torchrun
 
 
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     start = 0
     args.updates = args.steps
     if args.resume:
-        state = torch.load(args.resume, map_location=device, weights_only=False)
+        # tensors and plain data only: loading a checkpoint runs no code from it
+        state = torch.load(args.resume, map_location=device, weights_only=True)
         start = state["update"]
         args.updates = start + args.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        step.load_state_dict(state["step"])
+        step.load_state_dict(step_state.from_plain(state["step"]))
         log(f"resumed from {args.resume} at update {start}")
     log(f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, world size "
         f"{dist.get_world_size() if distributed else 1} ({dist.get_backend() if distributed else 'local'}), "
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         worker.save_checkpoint(args.checkpoint, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "step": step.state_dict(), "update": start + args.steps})
+            "step": step_state.to_plain(step.state_dict()), "update": start + args.steps})
     worker.finish()
     return 0
 

@@ -202,6 +202,9 @@ DEFAULT_MODELS = ("vgg19", "resnet101", "gpt2-mini")  # mirrored in deft_compile
 
 
 def _load_user_function(spec: str) -> Callable[[], Any]:
+    """The function ``module:function`` or ``path/to/file.py:function`` names, imported (its module's code runs).
+    ``spec`` is the model the user names on the bench command line (``--models``), code they choose to run; no
+    name read from a file, a checkpoint or the environment reaches it."""
     module_name, _, function_name = spec.rpartition(":")
     if not module_name or not function_name:
         raise ValueError(f"user model {spec!r}: use module:function or path/to/file.py:function")

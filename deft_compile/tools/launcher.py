@@ -201,7 +201,9 @@ def run_local_workers(
 
 def _unpack(result: WorkerResult) -> WorkerResult:
     """Values travel as plain pickles: torch's queue would share tensors through file
-    descriptors that vanish when the worker exits."""
+    descriptors that vanish when the worker exits. Unpickled as they are: they come over the results
+    queue from the workers this launcher started, running the caller's own function, never from a file
+    or another user (checkpoints are read without running code: ``deft_compile.safe_load``)."""
     if result.ok:
         result.value = pickle.loads(result.value)
     return result
