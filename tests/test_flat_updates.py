@@ -1,5 +1,8 @@
 """One compiled optimizer update per optimizer form (``deft_compile/step/flat_updates.py``): every element-wise
-update region runs flattened on it; anything else compiles for its own shapes."""
+update region runs flattened on it; anything else compiles for its own shapes.
+
+The compiled runs' numbers are the aten route's within ``DRIFT_MULTIPLE`` times the yardstick, the same training
+loop with the model compiled by ``torch.compile`` against eager, measured beside them (tests/bounds.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from bounds import check_difference
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.step.flat_updates import FlatUpdate
 from deft_compile.step.regions import Segment
@@ -35,6 +39,29 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, compiler: str, ba
     return step
 
 
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference of ``a`` from ``b`` over ``b``'s largest magnitude."""
+    return (a - b).abs().max().item() / b.abs().max().item()
+
+
+def _drift(build, make_optimizer, loss, batches, skip=lambda name: False) -> float:
+    """The yardstick (tests/bounds.py): ``build()``'s model compiled by ``torch.compile`` and the eager one, each
+    with ``make_optimizer``'s eager optimizer, trained on ``batches`` (``loss(model, *batch)``); the largest relative
+    difference of a parameter (those ``skip`` names aside) after the run."""
+    torch._dynamo.reset()  # a fresh recompile budget: past it Dynamo runs the model eagerly
+    eager, compiled = build(), build()
+    forwards = {id(eager): eager, id(compiled): torch.compile(compiled)}
+    for model in (eager, compiled):
+        optimizer = make_optimizer(model)
+        for batch in batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss(forwards[id(model)], *batch).backward()
+            optimizer.step()
+    torch._dynamo.reset()
+    return max(_relative(a.detach(), b.detach())
+               for (name, a), b in zip(compiled.named_parameters(), eager.parameters()) if not skip(name))
+
+
 def _update_compiles(step) -> int:
     return sum(1 for entry in step.lowering.history if entry["region"].startswith("('update'"))
 
@@ -52,38 +79,53 @@ def test_every_parameter_of_an_optimizer_form_shares_one_compile():
     data = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 64, (4, 17), generator=data) for _ in range(4)]
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+    def gpt() -> GPT2Style:
+        torch.manual_seed(0)
+        return GPT2Style(vocab=64, dim=32, heads=2, layers=2, context=32)
+
     runs = {}
     for compiler in ("inductor", "aten"):
-        torch.manual_seed(0)
-        model = GPT2Style(vocab=64, dim=32, heads=2, layers=2, context=32)
+        model = gpt()
         runs[compiler] = (model, _train(model, _adamw_groups(model), compiler, batches))
     model, step = runs["inductor"]
     assert len({tuple(p.shape) for p in model.parameters()}) >= 6
     assert _update_compiles(step) == 4
     # the attention's key bias has a round-off gradient, which Adam turns into steps of size lr in any two
-    # implementations (docs/ARCHITECTURE.md, "Exactness"): left out
-    for (name, a), b in zip(model.named_parameters(), runs["aten"][0].parameters()):
-        if not name.endswith("c_attn.bias"):
-            assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item(), name
+    # implementations (docs/ARCHITECTURE.md, "Exactness"): left out, here and in the yardstick
+    key_bias = lambda name: name.endswith("c_attn.bias")  # noqa: E731
+    drift = _drift(gpt, _adamw_groups, lambda m, inputs, targets: m(inputs, targets), batches, key_bias)
+    aten_params = runs["aten"][0].parameters()
+    differences = {name: _relative(a.detach(), b.detach())
+                   for (name, a), b in zip(model.named_parameters(), aten_params) if not key_bias(name)}
+    worst = max(differences, key=differences.get)
+    check_difference(differences[worst], drift, f"AdamW groups, worst {worst}")
 
 
 def test_regions_that_cannot_run_flat_compile_for_their_shapes():
     """A non-contiguous parameter and a one-element one compile their update for their own shapes; the others
     share the flat one. SGD with momentum: the numbers are the aten route's to round-off."""
     batches = [(torch.randn(8, 6, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+
+    def odd() -> OddParameters:
+        torch.manual_seed(0)
+        return OddParameters()
+
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     runs = {}
     for compiler in ("inductor", "aten"):
-        torch.manual_seed(0)
-        model = OddParameters()
+        model = odd()
         assert not model.transposed.is_contiguous()
-        runs[compiler] = (model, _train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), compiler,
-                                        batches))
+        runs[compiler] = (model, _train(model, sgd(model), compiler, batches))
     model, step = runs["inductor"]
     per_region = collections.Counter(e["region"] for e in step.lowering.history if e["region"].startswith("('update'"))
     # weight and bias share one flat compile per phase; the transposed and the one-element parameter have their own
     assert _update_compiles(step) == 2 * 3, per_region
-    for a, b in zip(model.parameters(), runs["aten"][0].parameters()):
-        assert (a - b).abs().max().item() <= 1e-6 * b.abs().max().item()
+    drift = _drift(odd, sgd, lambda m, x: m(x), batches)
+    differences = {name: _relative(a.detach(), b.detach())
+                   for (name, a), b in zip(model.named_parameters(), runs["aten"][0].parameters())}
+    worst = max(differences, key=differences.get)
+    check_difference(differences[worst], drift, f"SGD, worst {worst}")
 
 
 def _segment(build) -> Segment:
