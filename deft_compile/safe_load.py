@@ -29,6 +29,9 @@ from deft_compile.errors import DeftError, TornCheckpointError
 #: every ``torch.save`` file deft_compile reads starts as a zip archive does
 ZIP_MAGIC = b"PK\x03\x04"
 
+#: words of torch's errors for an archive it cannot read to its end
+_DAMAGED = ("PytorchStreamReader", "inline_container", "zip archive", "corrupted")
+
 #: what the user is told about a file ``weights_only`` refuses
 CONVERT_HINT = ("if it is a checkpoint you wrote yourself with an earlier deft_compile and you trust it, convert it "
                 "once with `python -m deft_compile.tools.convert_checkpoint --trust PATH` "
@@ -64,6 +67,9 @@ def load_weights_only(source: str | os.PathLike | io.BytesIO | bytes, what: str,
                         f"({_refused_part(str(error))}): refused, and nothing it names was called. deft_compile "
                         f"reads checkpoints as tensors and plain data only; {hint}") from None
     except (RuntimeError, EOFError, ValueError, KeyError, IndexError, OSError) as error:
+        if isinstance(error, RuntimeError) and not any(sign in str(error) for sign in _DAMAGED):
+            # read to its end but not loadable here (a tensor saved on a device this process lacks)
+            raise DeftError(f"{what} cannot be loaded here ({_first_line(error)})") from None
         raise TornCheckpointError(f"{what} is truncated or damaged: torch cannot read it "
                                   f"({type(error).__name__}: {_first_line(error)}); resume from an earlier "
                                   f"checkpoint") from None

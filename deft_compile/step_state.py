@@ -51,8 +51,8 @@ _KEYS = frozenset({"step_count", "policy", "plan", "profile", "pending"})
 
 def to_plain(state: dict[str, Any], *, coerce_numpy: bool = False) -> dict[str, Any]:
     """The step state as plain data (module docstring): new containers, the same tensors. ``coerce_numpy``:
-    numpy scalars become the Python numbers they hold (only for converting a file written before this format,
-    ``deft_compile.tools.convert_checkpoint``). Raises ``DeftError`` naming the first value that is not plain."""
+    numpy scalars become the Python numbers they hold (for ``deft_compile.tools.convert_checkpoint``, which
+    converts a previous-format file). Raises ``DeftError`` naming the first value that is not plain."""
     if type(state) is not dict:
         raise DeftError(f"a step state is a dict; got {type(state).__name__}")
     return _plain(state, (), coerce_numpy)
