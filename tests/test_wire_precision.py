@@ -1,0 +1,228 @@
+"""Wire precision: a plan item crosses the link in float32 (the gradients as they are), bfloat16 or float16.
+
+The plan data (JSON, validation, table), the simulator's and solvers' pricing by the bytes on the wire, the
+configuration, what gloo takes, and the step against torch DDP with the compression hook of the same dtype
+(``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``: ``buffer.to(dtype).div_(world_size)``, all-reduce,
+copied back into the float32 bucket), 2 gloo processes:
+
+- aten route (the suite's default): bit-identical, parameters, gradients and momentum, after every SGD step; the
+  same DDP without the hook differs, so the wire was applied.
+- Inductor (``compiler="inductor"``): within ``bounds.DRIFT_MULTIPLE`` times the yardstick measured in the same
+  launch, DDP with the same hook around ``torch.compile(model)`` against the eager DDP with the hook
+  (tests/bounds.py). A float32 round-off difference in a gradient element moves its 16-bit rounding by a whole
+  16-bit ulp (2^-11 of the element for float16, 2^-8 for bfloat16), so these differences are far above float32's;
+  the yardstick has the same flips, on a transformer whose LayerNorm, softmax and GELU Inductor fuses (the MLP's
+  compiled gradients are eager's bit for bit for several steps: a zero yardstick). The bound does not tell a
+  narrowed wire from a float32 one (the wire's own change is of the same size): the aten test does, and here the
+  step graph is checked to send 16-bit buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from bounds import check_within_drift, worst
+from deft_compile import DeftConfig
+from deft_compile.planner.plan import CommItem, LinkCost, ParamProfile, ParamSlice, Plan, Profile
+from deft_compile.planner.simulator import simulate
+from deft_compile.planner.solvers import solve
+from deft_compile.tools.launcher import run_local_workers
+from wire_workers import (delayed_wire_run, plain_all_reduce, priority_wire_beside_ddp, register_hook_by_name,
+                          wire_beside_ddp)
+
+WIRES = ("float16", "bfloat16")
+STEPS = 6
+
+
+# -- plan data -------------------------------------------------------------------------------------------------
+def _profile(*dtypes: str) -> Profile:
+    params = [ParamProfile(f"p{i}", 1000, dtype, 1.0, 1.0, 0.1, layer=len(dtypes) - 1 - i) for i, dtype in enumerate(dtypes)]
+    return Profile(params, [LinkCost("link", 0.5, 0.001)], world_size=2)
+
+
+def _one_item_plan(wire_dtype: str, param: int = 0, numel: int = 1000) -> Plan:
+    return Plan("wfbp", [CommItem(0, (ParamSlice(param, 0, numel),), wire_dtype=wire_dtype)])
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_the_plan_json_round_trips_the_wire_dtype(wire):
+    plan = solve(_profile("float32", "float32"), "wfbp", wire_dtype=wire, first_bucket_bytes=4000)
+    assert [item.wire_dtype for item in plan.items] == [wire, wire]
+    data = json.loads(plan.to_json())
+    assert [item["wire_dtype"] for item in data["items"]] == [wire, wire]
+    assert data["options"]["wire_dtype"] == wire
+    again = Plan.from_json(plan.to_json())
+    assert again.items == plan.items and again.hash() == plan.hash()
+    full = solve(_profile("float32", "float32"), "wfbp", first_bucket_bytes=4000)
+    assert full.hash() != plan.hash()
+
+
+def test_json_without_the_field_loads_as_float32_and_float32_plans_keep_their_form():
+    plan = solve(_profile("float32", "float32"), "wfbp", first_bucket_bytes=4000)
+    data = json.loads(plan.to_json())
+    assert all("wire_dtype" not in item for item in data["items"]) and "wire_dtype" not in data["options"]
+    old = Plan.from_dict(data)  # the JSON a plan had before the field existed
+    assert [item.wire_dtype for item in old.items] == ["float32", "float32"]
+    assert old.hash() == plan.hash()
+    assert solve(_profile("float32"), "wfbp", wire_dtype="float32").hash() == solve(_profile("float32"), "wfbp").hash()
+
+
+def test_the_table_shows_the_wire_dtype_and_its_bytes():
+    profile = _profile("float32")
+    table = _one_item_plan("float16").table(profile)
+    header = table.splitlines()[1].split()
+    row = dict(zip(header, table.splitlines()[3].split()))
+    assert row["wire"] == "float16" and row["bytes"] == "2000"
+    assert dict(zip(header, _one_item_plan("float32").table(profile).splitlines()[3].split()))["bytes"] == "4000"
+
+
+@pytest.mark.parametrize("dtype, wire, message", [
+    ("float32", "int8", "unknown wire dtype"),
+    ("bfloat16", "float16", "cannot cross the link as float16"),
+    ("float16", "bfloat16", "cannot cross the link as bfloat16"),
+    ("int64", "float16", "cannot cross the link as float16"),
+])
+def test_validation_refuses_a_wire_that_cannot_narrow(dtype, wire, message):
+    with pytest.raises(ValueError, match=message):
+        _one_item_plan(wire).validate(_profile(dtype))
+
+
+def test_16_bit_gradients_keep_their_dtype_and_float64_narrows():
+    profile = _profile("bfloat16", "float32", "float64")
+    plan = solve(profile, "wfbp", wire_dtype="float16", first_bucket_bytes=1)
+    assert {profile.params[item.slices[0].param].dtype: item.wire_dtype for item in plan.items} == {
+        "bfloat16": "float32", "float32": "float16", "float64": "float16"}
+    _one_item_plan("float16").validate(_profile("float64"))
+
+
+# -- pricing -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("wire", WIRES)
+def test_the_simulator_charges_a_16_bit_item_half_the_bytes(wire):
+    profile = _profile("float32")
+    link = profile.links[0]
+    narrow, full = (_one_item_plan(w) for w in (wire, "float32"))
+    assert narrow.items[0].nbytes(profile) == 2000 and full.items[0].nbytes(profile) == 4000
+    assert simulate(profile, narrow).link_busy_ms == [pytest.approx(link.cost(2000))]
+    assert simulate(profile, full).link_busy_ms == [pytest.approx(link.cost(4000))]
+
+
+@pytest.mark.parametrize("policy", ["wfbp", "bytescheduler", "usbyte", "deft"])
+def test_every_timing_policy_prices_a_fixed_wire_by_its_bytes(policy):
+    """A policy asked for a 16-bit wire narrows every float32 item and its plan predicts from the narrowed bytes:
+    the link is busy for half the bytes (wfbp: the same buckets, each at α + β·bytes/2)."""
+    from deft_compile.planner.zoo_profiles import build_profile
+
+    profile = build_profile("resnet101")
+    full, narrow = (solve(profile, policy, **({"wire_dtype": "float16"} if n else {})) for n in (0, 1))
+    assert {item.wire_dtype for item in narrow.items} == {"float16"}
+    assert sum(item.nbytes(profile) for item in narrow.items) * 2 == sum(item.nbytes(profile) for item in full.items)
+    narrow.validate(profile)
+    assert narrow.predicted_iteration_ms == pytest.approx(simulate(profile, narrow).iteration_ms)
+    if policy == "wfbp":
+        assert [item.slices for item in narrow.items] == [item.slices for item in full.items]
+        busy = sum(profile.links[0].cost(item.nbytes(profile) / 2) for item in full.items)
+        assert simulate(profile, narrow).link_busy_ms == [pytest.approx(busy)]
+    assert narrow.predicted_iteration_ms < full.predicted_iteration_ms or policy == "deft"
+
+
+def test_the_allowed_wire_dtypes_are_checked():
+    profile = _profile("float32")
+    with pytest.raises(ValueError, match="not among the allowed"):
+        solve(profile, "wfbp", wire_dtype="float16", wire_dtypes=["float32"])
+    with pytest.raises(ValueError, match="dlcp"):
+        solve(profile, "dlcp", wire_dtype="bfloat16")
+    with pytest.raises(ValueError, match="average='gradients'"):
+        solve(profile, "dssync", wire_dtype="bfloat16")
+    assert solve(profile, "dssync", wire_dtype="bfloat16", average="gradients").items[0].wire_dtype == "bfloat16"
+    assert DeftConfig().wire_dtypes == ("float32", "bfloat16", "float16")
+    for bad in ({"wire_dtypes": ("float16",)}, {"wire_dtypes": ("float32", "int8")},
+                {"wire_dtypes": ("float32",), "plan_options": {"wire_dtype": "float16"}}):
+        with pytest.raises(ValueError):
+            DeftConfig(**bad)
+
+
+def test_a_plan_item_is_frozen_with_its_wire():
+    item = _one_item_plan("bfloat16").items[0]
+    assert dataclasses.replace(item, id=3).wire_dtype == "bfloat16" and item.narrowed
+
+
+# -- what gloo takes -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("wire", WIRES)
+def test_gloo_all_reduces_16_bit_tensors(wire):
+    for result in run_local_workers(plain_all_reduce, 2, (wire,), timeout_s=120):
+        assert result.value["dtype"] == f"torch.{wire}"
+        assert result.value["values"] == result.value["expected"]
+
+
+def test_ddp_refuses_the_bf16_hook_by_name_not_gloo():
+    """DDP's ``_check_comm_hook`` refuses a hook named ``bf16_compress_hook`` unless torch is a CUDA build with NCCL
+    2.10+ (or XPU with XCCL), whatever the backend; the fp16 hook registers, and the bf16 hook's own code runs on
+    gloo under another name (``wire_workers.bf16_hook``, used by the tests below)."""
+    assert [r.value for r in run_local_workers(register_hook_by_name, 2, ("float16",), timeout_s=120)] == ["ok", "ok"]
+    for result in run_local_workers(register_hook_by_name, 2, ("bfloat16",), timeout_s=120):
+        assert result.value.startswith("TypeError: BF16 all reduce communication hook required CUDA 11+ and NCCL")
+
+
+# -- the step against DDP with the hook --------------------------------------------------------------------------
+def _check_graph(report: dict, wire: str) -> None:
+    assert report["wire"] == [wire]
+    code = report["code"]
+    assert code.count("torch.ops._c10d_functional.all_reduce_.default(div__tensor") == report["items"], code
+    assert code.count("_deft_wire_") >= report["items"]
+
+
+@pytest.mark.parametrize("case", ["mlp_dropout_sgd", "transformer_sgd"])
+@pytest.mark.parametrize("wire", WIRES)
+def test_wfbp_with_a_16_bit_wire_is_ddp_with_the_compression_hook(wire, case):
+    for rank, result in enumerate(run_local_workers(wire_beside_ddp, 2, (case, STEPS, wire), timeout_s=300)):
+        report = result.value
+        assert report["compiler"] == "aten" and report["items"] >= 3
+        _check_graph(report, wire)
+        for entry in report["steps"]:
+            where = f"{wire}/{case} rank {rank} step {entry['step']}: worst {entry['worst']}"
+            assert entry["missing"] == [] and entry["compared"] > 0, where
+            assert entry["max_abs"] == 0.0 and entry["loss_diff"] == 0.0, where
+        # the same DDP without the hook trains other numbers: the wire was applied
+        assert max(entry["sides"][0]["max_rel"] for entry in report["steps"]) > 0
+
+
+@pytest.mark.parametrize("policy", ["bytescheduler", "usbyte"])
+@pytest.mark.parametrize("wire", WIRES)
+def test_priority_plans_with_a_16_bit_wire_are_ddp_with_the_hook(wire, policy):
+    """Their all-reduces are pending across calls (waited before each layer's next forward): the carried tensors
+    are the 16-bit ones, and the updates DDP's with the hook, bit for bit, every step and after ``flush()``."""
+    for rank, result in enumerate(run_local_workers(priority_wire_beside_ddp, 2, ("mlp_dropout_sgd", 5, policy, wire),
+                                                    timeout_s=300)):
+        report = result.value
+        assert report["wire"] == [wire] and report["pending_dtypes"] == [f"torch.{wire}"]
+        for entry in report["steps"] + [report["final"]]:
+            assert entry["missing"] == [] and entry["max_abs"] == 0.0, f"{policy}/{wire} rank {rank}: {entry}"
+        assert all(entry["deferred"] for entry in report["steps"]) and report["pending_after_flush"] == []
+
+
+@pytest.mark.parametrize("delayed_update, accumulation", [("compensated", 1), ("averaged", 2), ("local", 1)])
+def test_delayed_buckets_carry_the_16_bit_tensor(delayed_update, accumulation):
+    """deft's delayed buckets (launched in the next call) carry their 16-bit cast; every rank applies the same
+    averages, so the replicas agree after ``flush()``."""
+    results = [r.value for r in run_local_workers(delayed_wire_run, 2, ("mlp_dropout_sgd", 6, "float16", accumulation,
+                                                                        delayed_update), timeout_s=300)]
+    for report in results:
+        assert report["delayed"] > 0 and report["wire"] == ["float16"]
+        assert report["pending_dtypes"] == ["torch.float16"] and report["finite"] and report["pending_after_flush"] == []
+    assert results[0]["sums"] == results[1]["sums"]
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_wfbp_with_a_16_bit_wire_on_inductor_is_ddp_with_the_hook_to_round_off(wire):
+    results = run_local_workers(wire_beside_ddp, 2, ("transformer_sgd", STEPS, wire, "inductor"), timeout_s=800,
+                                collective_timeout_s=600)
+    for rank, result in enumerate(results):
+        report = result.value
+        assert report["compiler"] == "inductor"
+        _check_graph(report, wire)
+        drift = max(entry["sides"][1]["max_rel"] for entry in report["steps"])  # torch.compile with the hook
+        assert worst(report["steps"]) > 0, "Inductor gave the aten numbers exactly: the compiled route did not run"
+        check_within_drift(report["steps"], drift, f"{wire} rank {rank}")
