@@ -4,7 +4,7 @@
   ``# provenance: <JSON>``) holds the fields of ``deft_compile.tools.provenance.FIELDS``; a file whose provenance
   was reconstructed after the run says how in ``recovered``. Besides results files the folder holds only
   ``README.md`` files and PNGs.
-- Every table of measurements in ``README.md`` and ``docs/*.md`` has, right above it (blank lines between
+- Every table of measurements in ``docs/*.md`` and ``README.md`` (but the README's summary) has, right above it (blank lines between
   allowed), a paragraph of lines ``Measured: `<command>` at `<commit>` (<tree>), <date>, <machine>; results:
   `<file>`.`` (``Computed:`` for numbers a deterministic program computes, such as the simulator's). Each line's
   results files exist under ``benchmarks/results/`` and record that command and commit.
@@ -18,8 +18,9 @@
 - ``README.md``'s "What to expect" is a table of question | measured answer | links, with no ``Measured:`` lines
   above it: each row's last cell links the results files behind it and the doc sections (``docs/<doc>.md#<anchor>``)
   whose ``Measured:`` line names each of those files. Each results file records its command, commit and date, and
-  every number in the row's other cells appears in one of its results files' data or in a linked section that
-  names that file (``row_problems``); a row without links says "not measured". The README holds at most
+  every number in the row's other cells appears in one of its results files' data or in a linked section beside
+  the line that names that file (``row_problems``, ``beside_provenance``); a row without links says "not
+  measured". The README holds at most
   ``README_MAX_LINES`` lines.
 """
 
