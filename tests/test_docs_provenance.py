@@ -4,8 +4,8 @@
   ``# provenance: <JSON>``) holds the fields of ``deft_compile.tools.provenance.FIELDS``; a file whose provenance
   was reconstructed after the run says how in ``recovered``. Besides results files the folder holds only
   ``README.md`` files and PNGs.
-- Every table of measurements in ``docs/*.md`` and ``README.md`` (but the README's summary) has, right above it (blank lines between
-  allowed), a paragraph of lines ``Measured: `<command>` at `<commit>` (<tree>), <date>, <machine>; results:
+- Every table of measurements in ``docs/*.md`` and ``README.md`` (but the README's summary) has, right above it
+  (blank lines between allowed), a paragraph of lines ``Measured: `<command>` at `<commit>` (<tree>), <date>, <machine>; results:
   `<file>`.`` (``Computed:`` for numbers a deterministic program computes, such as the simulator's). Each line's
   results files exist under ``benchmarks/results/`` and record that command and commit.
 - A table is a table of measurements when a body cell past its first column, emphasis removed and code spans
