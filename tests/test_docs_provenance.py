@@ -5,9 +5,9 @@
   was reconstructed after the run says how in ``recovered``. Besides results files the folder holds only
   ``README.md`` files and PNGs.
 - Every table of measurements in ``docs/*.md`` and ``README.md`` (but the README's summary) has, right above it
-  (blank lines between allowed), a paragraph of lines ``Measured: `<command>` at `<commit>` (<tree>), <date>, <machine>; results:
-  `<file>`.`` (``Computed:`` for numbers a deterministic program computes, such as the simulator's). Each line's
-  results files exist under ``benchmarks/results/`` and record that command and commit.
+  (blank lines between allowed), a paragraph of lines ``Measured: `<command>` at `<commit>` (<tree>), <date>,
+  <machine>; results: `<file>`.`` (``Computed:`` for numbers a deterministic program computes, such as the
+  simulator's). Each line's results files exist under ``benchmarks/results/`` and record that command and commit.
 - A table is a table of measurements when a body cell past its first column, emphasis removed and code spans
   excepted, starts with a number that has a decimal point, a unit (``%``, ``x``, ``×``, ``ms``, ``s``, ``min``,
   ``MiB``, ``GiB``, ``KiB``, ``MB``, ``GB``, ``mbit``, ``gbit``) or a spread in brackets right after it
