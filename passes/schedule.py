@@ -632,7 +632,8 @@ class _ScheduleRewriter:
         pending = carried[pending_key(item.id)]
         with self.graph.inserting_before(self._carried_launch_point(item)):
             # the previous local gradient as it was sent (in the gradient's dtype: g_{t-1} rounded to the wire)
-            previous = self.graph.call_function(aten.mul.Tensor, (self._from_wire(pending, item), float(item.world_size)))
+            sent = self._from_wire(pending, item)
+            previous = self.graph.call_function(aten.mul.Tensor, (sent, float(item.world_size)))
             reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
         with self.graph.inserting_before(point):
             averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from deft_compile.planner.plan import WIRE_FULL, CommItem, ParamSlice, Plan, Profile, check_wire_dtype, whole_param_slices
+from deft_compile.planner.plan import (WIRE_FULL, CommItem, ParamSlice, Plan, Profile, check_wire_dtype,
+                                      whole_param_slices)
 from deft_compile.planner.simulator import simulate
 
 
