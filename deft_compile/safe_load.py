@@ -34,7 +34,7 @@ _DAMAGED = ("PytorchStreamReader", "inline_container", "zip archive", "corrupted
 
 #: what the user is told about a file ``weights_only`` refuses
 CONVERT_HINT = ("if it is a checkpoint you wrote yourself with an earlier deft_compile and you trust it, convert it "
-                "once with `python -m deft_compile.tools.convert_checkpoint --trust PATH` "
+                "once with `deft-compile convert-checkpoint --trust PATH` "
                 "(deft_compile.tools.convert_checkpoint.convert_trusted), which unpickles it with "
                 "torch.load(weights_only=False) and so runs whatever it names")
 

@@ -37,14 +37,14 @@ STOP = 6
 
 #: the error each refused variant gets (type, then words its message must hold)
 REFUSALS = {
-    "touch_in_step_state": ("DeftError", "names getattr", "convert_checkpoint --trust"),
+    "touch_in_step_state": ("DeftError", "names getattr", "convert-checkpoint --trust"),
     "system_inside_plain_wrapper": ("DeftError", "names posix.system", "refused"),
     "raw_pickle": ("DeftError", "not a file torch.save writes"),
     "truncated": ("TornCheckpointError", "truncated or damaged"),
     "empty": ("TornCheckpointError", "is empty"),
     "foreign_text": ("DeftError", "not a file torch.save writes"),
     "foreign_torch_file": ("DeftError", "not a deft_compile step state"),
-    "previous_format_numpy": ("DeftError", "numpy", "convert_checkpoint --trust"),
+    "previous_format_numpy": ("DeftError", "numpy", "convert-checkpoint --trust"),
 }
 
 
@@ -154,7 +154,7 @@ def test_previous_format_is_converted_as_it_loads_or_refused_with_the_way_to_con
     torch.save(state, path)  # the previous format: torch.save(step.state_dict())
     assert _same(step_state.read(path, str(path)), state)
     torch.save({**state, "step_count": numpy.int64(7)}, path)
-    with pytest.raises(DeftError, match="convert_checkpoint --trust") as caught:
+    with pytest.raises(DeftError, match="convert-checkpoint --trust") as caught:
         step_state.read(path, str(path))
     assert "numpy" in str(caught.value)
     assert convert_trusted(path) == [str(path)]
@@ -197,7 +197,7 @@ def test_previous_format_dcp_checkpoint_resumes_exactly(tmp_path, dcp_straight, 
         refused = run_local_workers(dcp_checkpoint_run, 2, (CASE, 1, STOP, path, None), timeout_s=240,
                                     raise_on_failure=False)
         for result in refused:
-            assert not result.ok and "DeftError" in result.error and "convert_checkpoint --trust" in result.error
+            assert not result.ok and "DeftError" in result.error and "convert-checkpoint --trust" in result.error
         assert convert_trusted(path) == [path]
     resumed = run_local_workers(dcp_checkpoint_run, 2, (CASE, 1, STOP, path, None), timeout_s=240)
     for rank in range(2):

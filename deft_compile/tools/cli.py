@@ -46,10 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     if cli_simulate is not None:
         cli_simulate.add_parser(subparsers)
     from deft_compile.tools import bench
+    from deft_compile.tools import convert_checkpoint
     from deft_compile.tools import explain as cli_explain
 
     cli_explain.add_parser(subparsers)
     bench.add_parser(subparsers)
+    convert_checkpoint.add_parser(subparsers)
     return parser
 
 

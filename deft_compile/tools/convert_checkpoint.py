@@ -2,7 +2,7 @@
 
 ::
 
-    python -m deft_compile.tools.convert_checkpoint --trust PATH [PATH ...]
+    deft-compile convert-checkpoint --trust PATH [PATH ...]     (or: python -m deft_compile.tools.convert_checkpoint)
 
 ``PATH`` is a ``DeftTrainer`` step-state file (``deft_step_rank<r>.pt``), a Trainer checkpoint folder holding
 such files, or a ``deft_compile.checkpoint`` (DCP) folder. Each step state in it is rewritten in place as
@@ -104,18 +104,34 @@ def _convert_dcp_folder(folder: Path) -> None:
         os.replace(written, folder)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deft_compile.tools.convert_checkpoint", description=(
-        "Rewrite deft_compile step states you trust in the format that loads without running code. Unpickles "
-        "them with torch.load(weights_only=False): whatever a file names runs."))
+def _arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("paths", nargs="+", help="step-state files, Trainer checkpoint folders, DCP folders")
     parser.add_argument("--trust", action="store_true", required=True,
                         help="required: you wrote these checkpoints and nobody else could change them")
-    args = parser.parse_args(argv)
+    return parser
+
+
+_DESCRIPTION = ("Rewrite deft_compile step states you trust in the format that loads without running code. Unpickles "
+                "them with torch.load(weights_only=False): whatever a file names runs.")
+
+
+def add_parser(subparsers: Any) -> None:
+    """``deft-compile convert-checkpoint --trust PATH...``."""
+    parser = subparsers.add_parser("convert-checkpoint", help="rewrite trusted previous-format checkpoints",
+                                   description=_DESCRIPTION)
+    _arguments(parser).set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
     for path in args.paths:
         for written in convert_trusted(path):
             print(f"converted {written}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deft_compile.tools.convert_checkpoint", description=_DESCRIPTION)
+    return run(_arguments(parser).parse_args(argv))
 
 
 if __name__ == "__main__":
