@@ -17,6 +17,9 @@ local lane: it leaves out the tests marked ``slow`` (``SLOW_MODULES`` and every 
 the ``default_route``): Inductor compiles, package installs, torchrun launches, benchmark scripts run end to end and
 the fault matrix's timeouts.
 
+Kernel sets. ``TORCH_COMPILE_CACHE_KEY_TAG`` names the ``ATEN_CPU_CAPABILITY`` the suite runs under, so the plain
+``torch.compile`` yardsticks never replay code cached under another kernel set (torch's cache key leaves it out).
+
 Workers. The suite launches about a hundred pairs of gloo workers. Spawned, each worker starts an interpreter and
 imports torch, deft_compile and the test helpers (3-4 s a launch on the 2-core CI host); forked from one server that
 imported them once (``launcher.use_forkserver``), a launch costs well under a second. ``DEFT_TEST_SPAWN=1`` runs the
@@ -31,6 +34,10 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("DEFT_COMPILER", "aten")
+# The yardsticks' plain ``torch.compile`` calls share the Inductor cache with deft's compiles; torch does not key its
+# cache by the CPU kernel set (deft_compile/step/isa_key.py), so the suite tags every torch compile with the
+# ``ATEN_CPU_CAPABILITY`` it runs under (workers inherit the tag; a test that changes the kernel set sets both).
+os.environ.setdefault("TORCH_COMPILE_CACHE_KEY_TAG", f"aten-cpu-capability={os.environ.get('ATEN_CPU_CAPABILITY', '')}")
 
 _ROOT = Path(__file__).resolve().parents[1]
 for _folder in (_ROOT / "benchmarks", _ROOT / "examples"):
