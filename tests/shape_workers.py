@@ -1,5 +1,6 @@
 """Steps on inputs whose sequence length changes from call to call and from rank to rank (module level so the test
-launcher can import them)."""
+launcher can import them), and their bounds (tests/bounds.py): the same steps with the model compiled by
+``torch.compile`` against eager."""
 
 from __future__ import annotations
 
@@ -25,14 +26,22 @@ def batch(length: int, generator: torch.Generator, rows: int = 4) -> tuple[torch
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _optimizer(model: torch.nn.Module, optimizer: str) -> torch.optim.Optimizer:
+    if optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference of ``a`` from ``b`` over ``b``'s largest magnitude."""
+    return (a - b).abs().max().item() / (b.abs().max().item() or 1.0)
+
+
 def train_lengths(compiler: str, lengths: list[int], optimizer: str = "sgd", policy: str = "deft", **config) -> dict:
     """One process: ``lengths`` as the sequence length of each call. Losses, the final parameters, how many
     captures were traced and what the lowering compiled per region."""
     model = small_gpt()
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = _optimizer(model, optimizer)
     step = deft_compile(model, opt, policy=policy, config=DeftConfig(compiler=compiler, **config))
     data = torch.Generator().manual_seed(7)
     losses = [float(step(*batch(length, data))) for length in lengths]
@@ -47,14 +56,54 @@ def train_lengths(compiler: str, lengths: list[int], optimizer: str = "sgd", pol
     }
 
 
+def compiled_lengths(lengths: list[int], optimizer: str = "sgd") -> dict:
+    """The yardstick of ``train_lengths``: its model, optimizer and batches in a training loop, the model eager and
+    compiled by ``torch.compile`` (its shapes made dynamic at the second length, as ``train_lengths``' capture is).
+    Per call, the losses' relative difference; the final parameters' (``relative_error``, per tensor)."""
+    runs = []
+    torch._dynamo.reset()  # a fresh recompile budget: past it Dynamo runs the model eagerly
+    for compiled in (False, True):
+        model = small_gpt()
+        opt = _optimizer(model, optimizer)
+        forward = torch.compile(model) if compiled else model
+        data = torch.Generator().manual_seed(7)
+        losses = []
+        for length in lengths:
+            opt.zero_grad(set_to_none=True)
+            loss = forward(*batch(length, data))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs.append((losses, model))
+    torch._dynamo.reset()
+    (eager_losses, eager), (losses, model) = runs
+    return {"losses": [abs(a - b) / abs(b) for a, b in zip(losses, eager_losses)],
+            "params": {name: relative_error(p.detach(), q.detach())
+                       for (name, p), q in zip(model.named_parameters(), eager.parameters())}}
+
+
 def lengths_of(rank: int, steps: int) -> list[int]:
     """Each rank its own sequence of lengths (dynamic padding gives every rank its own batch length)."""
     return [5 + (3 * t + 5 * rank) % 11 for t in range(steps)]
 
 
-def per_rank_lengths_beside_ddp(rank: int, world_size: int, compiler: str, steps: int) -> dict:
+def _worst_error(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp_model: torch.nn.Module,
+                 ddp_optimizer: torch.optim.Optimizer) -> float:
+    """The worst ``relative_error`` over parameters and momentum buffers of ``model`` against ``ddp_model``."""
+    errors = []
+    for p, q in zip(model.parameters(), ddp_model.parameters()):
+        errors.append(relative_error(p.detach(), q.detach()))
+        buf_p, buf_q = optimizer.state[p].get("momentum_buffer"), ddp_optimizer.state[q].get("momentum_buffer")
+        if buf_q is not None:
+            errors.append(relative_error(buf_p, buf_q))
+    return max(errors)
+
+
+def per_rank_lengths_beside_ddp(rank: int, world_size: int, compiler: str, steps: int, yardstick: bool = False) -> dict:
     """``wfbp`` with SGD and torch DDP on the same per-rank batches, whose lengths differ across steps and ranks;
-    the worst relative difference over parameters and momentum after each step, and the captures traced."""
+    the worst relative difference over parameters and momentum after each step, and the captures traced. With
+    ``yardstick``, its bound (``compiled``): DDP around ``torch.compile(model)`` against DDP on the same batches,
+    measured the same way."""
     base = small_gpt()
     ddp_model, deft_model = copy.deepcopy(base), copy.deepcopy(base)
     caps = dict(first_bucket_mb=0.02, bucket_cap_mb=0.05)
@@ -72,13 +121,23 @@ def per_rank_lengths_beside_ddp(rank: int, world_size: int, compiler: str, steps
         ddp_opt.step()
         loss = step(inputs, targets)
         losses.append((float(ddp_loss), float(loss)))
-        errors = []
-        for (name, p), q in zip(deft_model.named_parameters(), ddp_model.parameters()):
-            scale = q.detach().abs().max().item() or 1.0
-            errors.append((p.detach() - q.detach()).abs().max().item() / scale)
-            buf_p, buf_q = deft_opt.state[p].get("momentum_buffer"), ddp_opt.state[q].get("momentum_buffer")
-            if buf_q is not None:
-                errors.append((buf_p - buf_q).abs().max().item() / (buf_q.abs().max().item() or 1.0))
-        worst.append(max(errors))
-    return {"worst": worst, "losses": losses, "captures": step.runner.capture_count,
-            "buckets": len(step.graph.items), "lengths": lengths_of(rank, steps)}
+        worst.append(_worst_error(deft_model, deft_opt, ddp_model, ddp_opt))
+    result = {"worst": worst, "losses": losses, "captures": step.runner.capture_count,
+              "buckets": len(step.graph.items), "lengths": lengths_of(rank, steps)}
+    if yardstick:
+        sides = []
+        for compiled in (False, True):  # DDP's default buckets (Dynamo's DDPOptimizer refuses a larger first one)
+            model = copy.deepcopy(base)
+            module = DistributedDataParallel(torch.compile(model) if compiled else model)
+            sides.append((model, module, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)))
+        data = torch.Generator().manual_seed(100 + rank)
+        result["compiled"] = []
+        for length in lengths_of(rank, steps):
+            inputs, targets = batch(length, data)
+            for _, module, optimizer in sides:
+                optimizer.zero_grad(set_to_none=True)
+                module(inputs, targets).backward()
+                optimizer.step()
+            (eager, _, eager_opt), (model, _, opt) = sides
+            result["compiled"].append(_worst_error(model, opt, eager, eager_opt))
+    return result

@@ -1,13 +1,18 @@
 """Input shapes that change: every route trains correctly on a new sequence length, and compiles once per shape
-family, not once per length (``deft_compile/step/symbolic.py``)."""
+family, not once per length (``deft_compile/step/symbolic.py``).
+
+An Inductor route's numbers are the aten route's (or DDP's) within ``DRIFT_MULTIPLE`` times the yardstick: the same
+steps on the same lengths with the model compiled by ``torch.compile``, against eager (tests/bounds.py):
+``shape_workers.compiled_lengths`` measures it once per length sequence and optimizer in this process,
+``per_rank_lengths_beside_ddp`` in the same launch as deft."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
+from bounds import check_difference, check_scalars_within_drift, relative
 from deft_compile.tools.launcher import run_local_workers
-from shape_workers import lengths_of, per_rank_lengths_beside_ddp, train_lengths
+from shape_workers import compiled_lengths, lengths_of, per_rank_lengths_beside_ddp, relative_error, train_lengths
 
 #: lengths of a fine-tune with dynamic padding: every call its own, then the same again
 LENGTHS = [9, 13, 7, 17, 13, 9, 11, 7]
@@ -18,20 +23,28 @@ def aten_run():
     return train_lengths("aten", LENGTHS)
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item() / (b.abs().max().item() or 1.0)
+@pytest.fixture(scope="module")
+def lengths_drift():
+    """The yardstick of SGD on ``LENGTHS`` (``shape_workers.compiled_lengths``)."""
+    return compiled_lengths(LENGTHS)
+
+
+def _check_losses(run: dict, reference: dict, drift: dict, lengths: list[int]) -> None:
+    check_scalars_within_drift(relative(run["losses"], reference["losses"]), drift["losses"],
+                               f"losses on lengths {lengths}")
 
 
 @pytest.mark.parametrize("compiler", ["inductor", "inductor-graph"])
-def test_new_lengths_train_as_the_aten_route(compiler, aten_run):
+def test_new_lengths_train_as_the_aten_route(compiler, aten_run, lengths_drift):
     """A region or graph compiled for one length never runs another's: the numbers are the aten route's (SGD with
-    momentum, Inductor's round-off), and nothing falls back to aten."""
+    momentum, Inductor's round-off: losses and final parameters within ``DRIFT_MULTIPLE`` times the yardstick's),
+    and nothing falls back to aten."""
     run = train_lengths(compiler, LENGTHS)
     assert run["fallbacks"] == []
-    for step, (loss, expected) in enumerate(zip(run["losses"], aten_run["losses"])):
-        assert abs(loss - expected) <= 1e-5 * abs(expected), f"step {step} (length {LENGTHS[step]})"
-    for name, value in run["params"].items():
-        assert _relative(value, aten_run["params"][name]) <= 1e-5, name
+    _check_losses(run, aten_run, lengths_drift, LENGTHS)
+    differences = {name: relative_error(value, aten_run["params"][name]) for name, value in run["params"].items()}
+    worst = max(differences, key=differences.get)
+    check_difference(differences[worst], max(lengths_drift["params"].values()), f"parameters, worst {worst}")
 
 
 def test_regions_compile_once_per_shape_family():
@@ -50,12 +63,12 @@ def test_whole_graph_compiles_once_per_shape_family():
 
 def test_a_length_the_guards_exclude_gets_its_own_static_capture(aten_run):
     """Length 1 is outside the symbolic capture's range (sizes 0 and 1 are specialised, as in torch.compile): it is
-    captured statically, and the numbers still follow the aten route's."""
+    captured statically, and the numbers still follow the aten route's (the losses, within ``DRIFT_MULTIPLE`` times
+    the yardstick's on these lengths)."""
     lengths = [9, 13, 1, 7]
     run, reference = train_lengths("inductor", lengths), train_lengths("aten", lengths)
     assert run["captures"] == 3
-    for loss, expected in zip(run["losses"], reference["losses"]):
-        assert abs(loss - expected) <= 1e-5 * abs(expected)
+    _check_losses(run, reference, compiled_lengths(lengths), lengths)
 
 
 def test_static_shapes_on_request_capture_every_shape():
@@ -67,25 +80,30 @@ def test_static_shapes_on_request_capture_every_shape():
 
 
 def test_adamw_on_new_lengths_tracks_the_aten_route():
+    """AdamW: the losses within ``DRIFT_MULTIPLE`` times the yardstick's (AdamW on the same lengths)."""
     run, reference = train_lengths("inductor", LENGTHS, "adamw"), train_lengths("aten", LENGTHS, "adamw")
-    for loss, expected in zip(run["losses"], reference["losses"]):
-        assert abs(loss - expected) <= 1e-4 * abs(expected)
+    _check_losses(run, reference, compiled_lengths(LENGTHS, "adamw"), LENGTHS)
 
 
 STEPS = 8
 
 
-@pytest.mark.parametrize("compiler, bound", [("aten", 0.0), ("inductor", 1e-6), ("inductor-graph", 1e-6)])
-def test_ranks_with_their_own_lengths_match_ddp(compiler, bound):
+@pytest.mark.parametrize("compiler", ["aten", "inductor", "inductor-graph"])
+def test_ranks_with_their_own_lengths_match_ddp(compiler):
     """Dynamic padding: each rank its own length every step. Every rank runs the same collectives (no hang, no
-    mismatch) and the result is DDP's on the same per-rank batches: bit-identical on aten, round-off on Inductor."""
-    results = [r.value for r in run_local_workers(per_rank_lengths_beside_ddp, 2, (compiler, STEPS), timeout_s=600)]
+    mismatch) and the result is DDP's on the same per-rank batches: bit-identical on aten, round-off on Inductor
+    (within ``DRIFT_MULTIPLE`` times DDP around ``torch.compile(model)`` against DDP, measured in the same launch)."""
+    inductor = compiler != "aten"
+    results = [r.value for r in run_local_workers(per_rank_lengths_beside_ddp, 2, (compiler, STEPS, inductor),
+                                                  timeout_s=600)]
     assert lengths_of(0, STEPS) != lengths_of(1, STEPS)
     for rank, report in enumerate(results):
         assert report["buckets"] >= 2
         assert report["captures"] <= 2, f"rank {rank}: {report['captures']} captures"
-        for step, worst in enumerate(report["worst"]):
-            assert worst <= bound, f"rank {rank} step {step} (length {report['lengths'][step]}): {worst}"
+        if inductor:
+            check_difference(max(report["worst"]), max(report["compiled"]), f"rank {rank} {report['lengths']}")
+        else:
+            assert max(report["worst"]) == 0.0, f"rank {rank} {report['lengths']}: {report['worst']}"
 
 
 def test_deft_trainer_with_dynamic_padding_matches_trainer(tmp_path):
