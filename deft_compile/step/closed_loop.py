@@ -88,6 +88,11 @@ class Window:
         self.length: int | None = None  # the window's steps once stretched (``min_window_ms``)
 
     def add(self, ms: Elapsed, cold: bool, cpu_ms: float | None, queue_ms: float | None) -> None:
+        """One step's time and its thread's clocks. A run-queue delay read on the host's clock is at most the
+        step's time: the kernel charges a wait when the thread is next scheduled, so a wait that began before the
+        step's first clock read would otherwise count in full against this step."""
+        if queue_ms is not None and isinstance(ms, (int, float)):
+            queue_ms = min(queue_ms, float(ms))
         self.times.append(ms)
         self.cold.append(cold)
         if cpu_ms is not None:
