@@ -271,6 +271,11 @@ class Preserver:
         # "confirm" (the running plan's), "schedule": {name: (delay, period)}, "metrics": {...}}
         self.admission: dict[str, Any] | None = None
         self.dismissed: list[PreserverEvent] = []  # loss signals staleness did not cause (``attribute_loss``)
+        # parameter names whose buckets a measurement priced harmful on a 16-bit wire: float32 from then on
+        self.float32: set[str] = set()
+        # the running plan sends buckets narrowed: measurements go on after the trade's decision is final, to judge
+        # the wire (set by the monitor before each step)
+        self.watch_wire = False
 
     # -- the ladder -----------------------------------------------------------
     def _build_ladder(self) -> list[tuple[str, dict[str, Any]]]:
@@ -311,7 +316,16 @@ class Preserver:
         if self.pinned:  # names, escaped so the solver's fnmatch matches them literally
             pinned = {re.sub(r"([\[\]*?])", r"[\1]", name) for name in self.pinned}
             options["keep_synchronous"] = sorted(set(options.get("keep_synchronous", ())) | pinned)
+        if self.float32:
+            kept = {re.sub(r"([\[\]*?])", r"[\1]", name) for name in self.float32}
+            options["keep_float32"] = sorted(set(options.get("keep_float32", ())) | kept)
         return options
+
+    def keep_float32(self, step: int, names: set[str], why: str, metrics: dict[str, Any]) -> PreserverEvent:
+        """Send these parameters' buckets in float32 for good (a measurement priced their 16-bit wire harmful);
+        recorded as an event whose options the caller switches to."""
+        self.float32 |= set(names)
+        return self._record(step, why, metrics)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue this Preserver's decisions (saved by ``CompiledStep.state_dict``)."""
@@ -330,6 +344,7 @@ class Preserver:
             "settled_why": self.settled_why,
             "confirmations": self.stability.confirmations,
             "admission": self.admission,
+            "float32": sorted(self.float32),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -347,6 +362,7 @@ class Preserver:
             self.settled, self.settled_why = str(state.get("settled", "")), str(state.get("settled_why", ""))
             self.stability.confirmations = int(state.get("confirmations", 0))
             self.admission = state.get("admission")
+        self.float32 = {str(name) for name in state.get("float32", ())}
 
     @property
     def exhausted(self) -> bool:
@@ -364,7 +380,8 @@ class Preserver:
     def _settle(self, state: str, why: str) -> None:
         self.settled, self.settled_why = state, why
         self.admission = None
-        self.probes.stop()
+        if not self.watch_wire:
+            self.probes.stop()
 
     def settle(self, step: int, state: str, why: str, metrics: dict[str, Any]) -> PreserverEvent | None:
         """Make the trade's decision final (``"synchronous"`` or ``"kept"``, see ``settled``); probing stops. A
@@ -383,7 +400,7 @@ class Preserver:
         if not every:
             return False
         if self.config.trade:
-            return not self.settled and self.admission is None and self.probes.due(step)
+            return (not self.settled or self.watch_wire) and self.admission is None and self.probes.due(step)
         early = max(1, every // 5)
         return step % every == 0 or step in (early, 2 * early)
 

@@ -35,6 +35,7 @@ from deft_compile.preserver.budget import AttributionBudget
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
 from deft_compile.preserver.staleness import predicted_weights, same_batch_gradient_change, update_metric
 from deft_compile.preserver.trade import Trader
+from deft_compile.preserver.wire_error import cast_error_norms, metric_weights
 from deft_compile.timing import comm_device
 
 
@@ -89,6 +90,7 @@ class PreserverMonitor:
         # copies and replays against the steps' own time (attribution_budget); why the last copy was not taken
         self.budget = AttributionBudget(self.config.attribution_budget)
         self._no_copy_because = ""
+        self.wire_sums: tuple[list[str], list[float]] | None = None  # the last measurement's, for the wire's judge
         # the trade's decisions (preserver.trade); plain delays are admitted by a paired replay (preserver.admission)
         admission = (PlainAdmission(self.budget, self.config.admission_steps, self.config.check_every)
                      if preserver.plain_delays else None)
@@ -124,11 +126,17 @@ class PreserverMonitor:
         return {tuple(sorted(names[p] for p in item.params)): (sorted(item.params), max(1.0, self._staleness(item)))
                 for item in self.step.items}
 
+    def _narrowed(self) -> bool:
+        """Whether the running plan sends any bucket in a 16-bit dtype."""
+        plan = self.step.plan
+        return plan is not None and any(item.narrowed for item in plan.items)
+
     def _worth_measuring(self) -> bool:
         """Veto mode: stale items to check, or pinned buckets that may be released. Trade mode: the plan
-        without prices has staleness to trade (else there is nothing to price)."""
+        without prices has staleness to trade (else there is nothing to price), or the running plan narrows
+        buckets (their wire is judged)."""
         if self.config.trade:
-            return any(self._staleness(item) > 0 for item in self.step.items) or any(
+            return self._narrowed() or any(self._staleness(item) > 0 for item in self.step.items) or any(
                 item.delay or item.period > 1 for item in self.step.solve(self.preserver.unpriced_options()).items)
         return any(self._staleness(item) > 0 for item in self.step.items) or bool(self.preserver.pinned)
 
@@ -138,6 +146,7 @@ class PreserverMonitor:
         self._copy_before_first_stale_step()
         self.trader.before_step()
         self._before = None
+        self.preserver.watch_wire = self.config.trade and self._narrowed()
         step = self.step.step_count + 1
         if self._probe is None and not self.preserver.exhausted and self.preserver.staleness_due(step):
             if not self.step.updates_at(self.step.step_count):  # a call that only accumulates changes no weight
@@ -181,19 +190,42 @@ class PreserverMonitor:
         if self.config.trade:  # prices in the optimizer's own metric (Adam: √P-weighted); the veto thresholds are not
             by_tensor = update_metric(self.step.optimizer)
             metric = {i: by_tensor[state.params[i]] for i in watched if state.params[i] in by_tensor}
+        gradients: dict[int, torch.Tensor] | None = {} if self.config.trade and self._narrowed() else None
         change = same_batch_gradient_change(
             self.step.model, state.param_names, self._before, state.params, dict(zip(state.buffer_names, state.buffers)),
-            self.step.loss_fn, args, kwargs, watched, metric,
+            self.step.loss_fn, args, kwargs, watched, metric, keep=gradients,
         )
+        wire_row: list[float] = []
+        if gradients is not None:  # the 16-bit wire's error on this gradient (preserver.wire_error)
+            dtypes = self.trader.wire_dtypes()
+            chosen = [gradients.get(p) for p in watched]
+            weights = metric_weights(self.step.optimizer, [state.params[p] for p in watched], chosen)
+            wire_row = cast_error_norms(chosen, self.step.world_size, dtypes, weights)
         recomputed = time.perf_counter() - started
         self.budget.pass_seconds = recomputed / 2  # the gradient at two weights: a paired replay's unit of work
         probe_ms = 1e3 * (recomputed + self._clone_seconds)
-        means = self._all_rank_mean([change.get(p, (0.0, 0.0))[k] for k in (0, 1) for p in watched] + [probe_ms])
+        means = self._all_rank_mean([change.get(p, (0.0, 0.0))[k] for k in (0, 1) for p in watched] + wire_row
+                                    + [probe_ms])
         n = len(watched)
+        # rank sums for the wire's pricing (``wire_pricing.wire_shares``)
+        self.wire_sums = ([state.param_names[p] for p in watched],
+                          [v * self.step.world_size for v in means[2 * n:2 * n + len(wire_row)]]) if wire_row else None
         return {state.param_names[p]: (means[i], means[n + i]) for i, p in enumerate(watched)}, means[-1]
 
     def _trade(self, step_count: int, changes: dict[str, tuple[float, float]], probe_ms: float) -> PreserverEvent | None:
-        """Price the measured staleness and decide (``deft_compile.preserver.trade``)."""
+        """Judge the running plan's 16-bit wire on this measurement, then price the measured staleness and decide
+        (``deft_compile.preserver.trade``)."""
+        wire_sums, self.wire_sums = self.wire_sums, None
+        if wire_sums is not None:
+            event = self.trader.judge_wire(step_count, *wire_sums)
+            if event is not None:
+                self.preserver.probes.after_measurement(step_count, changed=True, probe_ms=probe_ms,
+                                                        step_ms=self.trader.running_step_ms())
+                return event
+        if self.preserver.settled:  # the trade's decision is final: this measurement judged the wire only
+            self.preserver.probes.after_measurement(step_count, changed=False, probe_ms=probe_ms,
+                                                    step_ms=self.trader.running_step_ms())
+            return None
         return self.trader.measured(step_count, changes, probe_ms)
 
     def _all_rank_mean(self, values: list[float]) -> list[float]:

@@ -112,6 +112,7 @@ def same_batch_gradient_change(
     kwargs: dict[str, Any],
     watched: Sequence[int],
     metric: dict[int, torch.Tensor] | None = None,
+    keep: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, tuple[float, float]]:
     """For each watched parameter index: (‖g(after) − g(before)‖², ‖g(before)‖²) on this batch.
 
@@ -135,6 +136,8 @@ def same_batch_gradient_change(
     for index, g_before, g_after in zip(watched, *gradients):
         if g_before is None or g_after is None:
             continue
+        if keep is not None:
+            keep[index] = g_before
         weight = metric.get(index) if metric else None
         change, gradient = g_after - g_before, g_before
         if weight is not None:

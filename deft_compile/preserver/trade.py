@@ -95,6 +95,56 @@ class Trader:
         preserver.probes.after_measurement(step_count, changed=changed, probe_ms=probe_ms, step_ms=self._step_ms(synchronous))
         return event
 
+    def running_step_ms(self) -> float:
+        """The running plan's step time: measured by the closed loop where it has measured it, else predicted."""
+        times, plan = self._times(), self.step.plan
+        if times is not None and plan.hash() in times.plan_ms:
+            return times.plan_ms[plan.hash()]
+        return float(plan.predicted_iteration_ms or 0.0)
+
+    # -- the 16-bit wire --------------------------------------------------------------------------------
+    def wire_dtypes(self) -> list[str]:
+        """The 16-bit dtypes the running plan sends in (what a measurement prices)."""
+        return sorted({item.wire_dtype for item in self.step.plan.items if item.narrowed})
+
+    def judge_wire(self, step_count: int, names: list[str], sums: list[float]) -> PreserverEvent | None:
+        """Price the running plan's 16-bit wire on this measurement (``wire_pricing``): the buckets whose price no
+        longer pays for the link time they save go back to float32 for good (``Preserver.keep_float32``), and the
+        step switches plans. ``sums``: rank sums of ``wire_error.cast_error_norms`` over ``names``, for
+        ``wire_dtypes()``."""
+        from deft_compile.planner.plan import WIRE_FULL
+        from deft_compile.planner.wire import bucket_link_ms
+        from deft_compile.preserver.wire_pricing import harmful_buckets, wire_prices, wire_shares
+
+        step, profile = self.step, self.step.profile
+        dtypes = self.wire_dtypes()
+        compute = compute_ms(profile)
+        prices = wire_prices(wire_shares(names, dtypes, sums, step.world_size), compute, self.config.staleness_price)
+        buckets: dict[int, tuple[list[int], str, int]] = {}
+        for item in step.plan.items:
+            if item.narrowed:
+                params, _, _ = buckets.setdefault(item.bucket, ([], item.wire_dtype, item.link))
+                params.extend(s.param for s in item.slices if s.param not in params)
+        narrowed = []
+        for params, dtype, link in buckets.values():
+            links = [profile.links[link]]
+            saved = bucket_link_ms(profile, params, WIRE_FULL, links) - bucket_link_ms(profile, params, dtype, links)
+            narrowed.append((tuple(profile.params[p].name for p in params), dtype, saved))
+        step_ms = self.running_step_ms()
+        harmful = harmful_buckets(narrowed, prices, step_ms, compute)
+        if not harmful:
+            log.debug("Preserver at step %d: the 16-bit wire of %d bucket(s) still pays", step_count, len(narrowed))
+            return None
+        described = "; ".join(f"{names[0]}{' ...' if len(names) > 1 else ''}: price {price:.3g} ms x step {step_ms:.3g}"
+                              f" / compute {compute:.3g} ms >= {saved:.3g} ms saved" for names, price, saved in harmful)
+        why = f"16-bit wire priced harmful on {len(harmful)} bucket(s), float32 from now on ({described})"
+        metrics = {"wire_prices_ms": {dtype: sum(by_name.values()) for dtype, by_name in prices.items()},
+                   "harmful_buckets": [list(names) for names, _, _ in harmful]}
+        event = self.preserver.keep_float32(step_count, {name for names, _, _ in harmful for name in names}, why,
+                                            metrics)
+        step.switch_plan(self.preserver.options, why)
+        return event
+
     def _step_ms(self, synchronous) -> float:
         """The running plan's step time the probes' budget is a share of: measured by the closed loop where it has
         measured that plan, else predicted."""

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from deft_compile.config import DeftConfig
@@ -27,7 +28,7 @@ from deft_compile.debug.artifacts import log_structured, record_plan, write_plan
 from deft_compile.errors import DeftError
 from deft_compile.passes.local_collectives import LOCAL_GROUP
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
-from deft_compile.planner.plan import LinkCost, Plan, Profile
+from deft_compile.planner.plan import WIRE_FULL, LinkCost, Plan, Profile
 from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL
 from deft_compile.planner.solvers import solve, solve_wfbp
 from deft_compile.preserver import Preserver
@@ -43,6 +44,7 @@ from deft_compile.step.policy_runtime import PolicyRuntime
 from deft_compile.step.runner import StepRunner
 from deft_compile.step.scheduling import ProfileIndex, scheduled_items, static_profile, with_accumulation
 from deft_compile.step.step_timer import StepTiming
+from deft_compile.timing import comm_device
 
 log = logging.getLogger("deft_compile")
 
@@ -76,6 +78,10 @@ class StepPlanning:
         self._index: ProfileIndex | None = None
         self._link_groups: list[CommGroup] = []
         self._preserver_state: dict[str, Any] | None = None  # loaded by load_state_dict, for the Preserver
+        # the measured price of each 16-bit wire dtype per parameter (``_measure_wire``); every plan of the step
+        # is solved with them, so they are saved with the plan
+        self.wire_prices: dict[str, dict[str, float]] | None = None
+        self.wire_seconds = 0.0  # measuring them (part of ``seconds``)
         # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
         # communicates), so it stays off there (docs/API.md).
         closed_loop = config.closed_loop.active_for(policy, self._profile_given) and config.accumulation_steps == 1
@@ -119,6 +125,7 @@ class StepPlanning:
         if self.plan is None:
             if self.profile is None:
                 self.profile = self._profile(captured, annotation, index, args, kwargs)
+                self.wire_prices = self._measure_wire(captured, args, kwargs)
             if len(self.profile.links) != len(self.groups.links):
                 raise DeftError(
                     f"the profile describes {len(self.profile.links)} link(s) but this step has "
@@ -160,6 +167,41 @@ class StepPlanning:
                                contention=self.config.contention)
         log.info("profiled the step:\n%s", profile.to_json())
         return profile
+
+    def narrows_by_price(self) -> bool:
+        """Whether the step chooses each bucket's wire dtype by measured price: policy ``deft`` planning on the
+        profile it measured, with a 16-bit dtype allowed (``DeftConfig.wire_dtypes``) and no fixed
+        ``wire_dtype`` asked for."""
+        return (self.policy == "deft" and not self._profile_given and "wire_dtype" not in self.config.plan_options
+                and any(dtype != WIRE_FULL for dtype in self.config.wire_dtypes))
+
+    def _measure_wire(self, captured: CapturedStep, args: tuple, kwargs: dict) -> dict[str, dict[str, float]] | None:
+        """The price of each allowed 16-bit wire dtype per parameter (``preserver.wire_pricing``), from this call's
+        gradients: one eager forward and backward per rank and one all-reduce of three numbers per parameter and
+        dtype. None where the step does not narrow by price."""
+        if not self.narrows_by_price():
+            return None
+        from deft_compile.preserver.wire_error import cast_error_norms, metric_weights, step_gradients
+        from deft_compile.preserver.wire_pricing import wire_prices, wire_shares
+
+        started = time.perf_counter()
+        state = captured.model_state
+        dtypes = [dtype for dtype in self.config.wire_dtypes if dtype != WIRE_FULL]
+        gradients = step_gradients(self._step.model, state.param_names, state.params,
+                                   dict(zip(state.buffer_names, state.buffers)), self._step.loss_fn, args, kwargs)
+        by_name = dict(zip(state.param_names, range(len(state.params))))
+        names = [param.name for param in self.profile.params if param.name in by_name]
+        chosen = [gradients[by_name[name]] for name in names]
+        weights = metric_weights(self._step.optimizer, [state.params[by_name[name]] for name in names], chosen)
+        row = cast_error_norms(chosen, self.groups.world_size, dtypes, weights)
+        tensor = torch.tensor(row, dtype=torch.float64, device=comm_device(self.groups.process_group))
+        dist.all_reduce(tensor, group=self.groups.process_group)
+        shares = wire_shares(names, dtypes, tensor.tolist(), self.groups.world_size)
+        prices = wire_prices(shares, compute_ms(self.profile), self.config.preserver.staleness_price)
+        self.wire_seconds = time.perf_counter() - started
+        log.info("wire precision priced in %.2f s (ms per step, all parameters): %s", self.wire_seconds,
+                 ", ".join(f"{dtype} {sum(per_param.values()):.3g}" for dtype, per_param in prices.items()))
+        return prices
 
     def _plan_local(self, captured: CapturedStep, index: ProfileIndex) -> None:
         """Without a process group only gradient accumulation needs items: DDP's buckets on ``LOCAL_GROUP``,
@@ -216,6 +258,8 @@ class StepPlanning:
             options.setdefault("bucket_cap_bytes", self.config.bucket_cap_bytes)
         for key, value in self.policy_runtime.solver_defaults(self.config).items():
             options.setdefault(key, value)
+        if self.wire_prices:
+            options.setdefault("wire_prices", self.wire_prices)
         return options
 
     def solve(self, options: dict[str, Any]) -> Plan:
@@ -273,12 +317,16 @@ class StepPlanning:
             "plan": self.plan.to_json() if self.plan is not None else None,
             "profile": self.profile.to_json() if self.profile is not None else None,
             "preserver": self.monitor.state_dict() if self.monitor is not None else None,
+            "wire_prices": self.wire_prices,
         }
 
     def load_plan(self, state: dict[str, Any]) -> None:
         """The saved profile and plan (used as they are: no re-profiling); the items follow on the next call."""
         if state["profile"] is not None:
             self.profile = Profile.from_json(state["profile"])
+        if state.get("wire_prices"):
+            self.wire_prices = {str(dtype): {str(name): float(price) for name, price in prices.items()}
+                                for dtype, prices in state["wire_prices"].items()}
         if state["plan"] is not None:
             plan = Plan.from_json(state["plan"])
             if self.plan is not None and plan.hash() != self.plan.hash():

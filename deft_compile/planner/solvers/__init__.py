@@ -49,7 +49,10 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
     ``wire_dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) asks every item whose gradients narrow
     (float32, float64) to cross the link in that dtype; the solver prices those items at their narrowed
     bytes. ``wire_dtypes`` (the step passes ``DeftConfig.wire_dtypes``) are the dtypes allowed: a
-    ``wire_dtype`` outside them is an error. Without ``wire_dtype`` every policy sends full precision.
+    ``wire_dtype`` outside them is an error. Without ``wire_dtype`` every policy sends full precision,
+    except ``deft`` given ``wire_prices`` (dtype -> parameter -> ms per step, the Preserver's): it chooses each
+    bucket's wire dtype among the allowed ones by price (``planner.wire``); prices of a dtype not allowed are
+    dropped.
     DLCP's chunk selection sends full precision only.
     """
     try:
@@ -74,6 +77,17 @@ def _check_wire(policy: str, options: dict[str, Any]) -> None:
     allowed = tuple(options.pop("wire_dtypes", WIRE_DTYPES))
     for dtype in allowed:
         check_wire_dtype(dtype)
+    wire_prices = options.pop("wire_prices", None)
+    if wire_prices:
+        if policy != "deft":
+            raise ValueError(f"wire_prices choose each bucket's wire dtype in policy 'deft'; policy {policy!r} sends "
+                             "one wire_dtype")
+        for dtype in wire_prices:
+            check_wire_dtype(dtype)
+        allowed_prices = {dtype: prices for dtype, prices in wire_prices.items()
+                          if dtype in allowed and dtype != WIRE_FULL}
+        if allowed_prices:  # a dtype DeftConfig.wire_dtypes leaves out is never chosen
+            options["wire_prices"] = allowed_prices
     wire_dtype = check_wire_dtype(str(options.pop("wire_dtype", WIRE_FULL)))
     if wire_dtype not in allowed:
         raise ValueError(f"wire_dtype={wire_dtype!r} is not among the allowed wire dtypes {list(allowed)} "

@@ -38,6 +38,13 @@ Algorithm (our reading of Meng & Sun, see docs/PLANNER.md §3):
 Costs are the link's bytes: with ``wire_dtype`` every bucket whose gradients
 narrow crosses the link in that 16-bit dtype, and its weight is the time of
 its narrowed bytes (DDP's buckets are still sized by the gradients' bytes).
+With ``wire_prices`` (the Preserver's measured price of each 16-bit dtype per
+parameter) each bucket's wire dtype is chosen first, by the link time it
+saves against its price (``planner.wire.choose_wire``), and kept only if the
+synchronous plan with those buckets narrowed is faster, priced, than the
+float32 one; delays and periods are then chosen on the narrowed buckets. The
+same wire choice holds in every candidate and in the synchronous plan the
+result is compared with, so its price cancels there.
 
 The knapsack DP is exact on weights discretised to ``capacity/units`` ms
 (weights rounded up, capacity down: a chosen set never over-fills the real
@@ -46,6 +53,7 @@ capacity); ``units`` defaults to 1024.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from typing import Any
@@ -73,6 +81,7 @@ from deft_compile.planner.simulator import BucketScheduleEvaluator, simulate
 from deft_compile.planner.solvers.common import finish, split_slices, wire_option
 from deft_compile.planner.solvers.knapsack import DEFAULT_UNITS, discretise, knapsack_01
 from deft_compile.planner.solvers.wfbp import wfbp_items
+from deft_compile.planner.wire import bucket_wire_price, choose_wire
 
 # bucket kinds; chosen equal to the simulator's window codes (forward-next,
 # backward-next, backward) so a kind array is directly a window array
@@ -228,8 +237,11 @@ def solve_deft(
     suffix_candidates: int = 10,
     tie_tolerance: float = 0.002,
     wire_dtype: str = WIRE_FULL,
+    wire_prices: dict[str, dict[str, float]] | None = None,
+    keep_float32: list[str] | tuple[str, ...] = (),
 ) -> Plan:
-    """DeFT's plan (see module docstring). ``max_staleness=0`` returns WFBP's items.
+    """DeFT's plan (see module docstring). ``max_staleness=0`` returns WFBP's items (narrowed where
+    ``wire_prices`` choose it).
 
     Args:
         max_staleness: 0 forbids every deviation from synchronous DDP (no
@@ -261,22 +273,32 @@ def solve_deft(
         suffix_candidates: how many suffix starts to try.
         tie_tolerance: relative time difference treated as a tie.
         wire_dtype: the dtype buckets of float32 gradients cross the link in.
+        wire_prices: 16-bit dtype -> parameter name -> ms per step its rounding
+            costs in convergence (the Preserver's measurement,
+            :mod:`deft_compile.preserver.wire_pricing`): the solver chooses each
+            bucket's wire dtype (``planner.wire``). Not with ``wire_dtype``.
+        keep_float32: parameter names (``fnmatch`` patterns) whose buckets
+            never narrow under ``wire_prices``.
     """
     options = _options(first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes,
                        max_staleness=max_staleness, allow_period=allow_period, max_period=max_period,
                        period_margin=period_margin, staleness_penalty_ms=staleness_penalty_ms,
                        staleness_prices=staleness_prices, update_prices=update_prices,
                        keep_synchronous=keep_synchronous, links=links, units=units,
-                       suffix_candidates=suffix_candidates, tie_tolerance=tie_tolerance, wire_dtype=wire_dtype)
+                       suffix_candidates=suffix_candidates, tie_tolerance=tie_tolerance, wire_dtype=wire_dtype,
+                       wire_prices=wire_prices, keep_float32=keep_float32)
     if max_staleness not in (0, 1):
         raise ValueError("max_staleness must be 0 or 1 (delays are at most one step)")
+    if wire_prices and wire_dtype != WIRE_FULL:
+        raise ValueError(f"wire_dtype={wire_dtype!r} sends every bucket in one dtype; wire_prices choose per bucket: "
+                         "give one or the other")
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
-    synchronous = wfbp_items(profile, buckets, wire_dtype=wire_dtype)
+    link_ids = list(range(len(profile.links))) if links is None else sorted(set(links))
+    synchronous, wire_metadata = _synchronous_items(profile, buckets, wire_dtype, options, link_ids)
     if max_staleness == 0:
         return finish(profile, "deft", synchronous, options,
-                      {"fallback": "max_staleness=0: synchronous DDP buckets"})
+                      {"fallback": "max_staleness=0: synchronous DDP buckets", **wire_metadata})
 
-    link_ids = list(range(len(profile.links))) if links is None else sorted(set(links))
     n = len(buckets)
     share_items, share_loads, costs, bucket_bytes = _bucket_shares(profile, buckets, synchronous, link_ids)
     pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern)
@@ -317,7 +339,7 @@ def solve_deft(
                 "forward_knapsack": int((best.kind == _FWD).sum()),
                 "backward_knapsack": int((best.kind == _BWD_NEXT).sum()),
                 "periodic_buckets": int((best.period > 1).sum()), "kept_synchronous": int(pinned.sum()),
-                "staleness_price_ms": best.price_ms}
+                "staleness_price_ms": best.price_ms, **wire_metadata}
     wfbp_ms = _wfbp_ms(profile, synchronous, evaluator if same_as_wfbp else None)
     items = _items(share_items, best, [item.wire_dtype for item in synchronous])
     plan = finish(profile, "deft", items, options, metadata)
@@ -331,7 +353,7 @@ def solve_deft(
 
 def _options(*, first_bucket_bytes, bucket_cap_bytes, max_staleness, allow_period, max_period, period_margin,
              staleness_penalty_ms, staleness_prices, update_prices, keep_synchronous, links, units,
-             suffix_candidates, tie_tolerance, wire_dtype) -> dict[str, Any]:
+             suffix_candidates, tie_tolerance, wire_dtype, wire_prices, keep_float32) -> dict[str, Any]:
     """The plan's options, normalised (what its hash covers)."""
     options = {"first_bucket_bytes": int(first_bucket_bytes), "bucket_cap_bytes": int(bucket_cap_bytes),
                "max_staleness": int(max_staleness), "allow_period": bool(allow_period),
@@ -344,7 +366,37 @@ def _options(*, first_bucket_bytes, bucket_cap_bytes, max_staleness, allow_perio
     for key, given in (("staleness_prices", staleness_prices), ("update_prices", update_prices)):
         if given:  # only when priced, so unpriced plans keep the hashes they always had
             options[key] = {str(k): float(v) for k, v in sorted(given.items())}
+    if wire_prices:  # likewise: only when the wire is chosen by price
+        options["wire_prices"] = {str(dtype): {str(k): float(v) for k, v in sorted(prices.items())}
+                                  for dtype, prices in sorted(wire_prices.items()) if dtype != WIRE_FULL}
+    if keep_float32:
+        options["keep_float32"] = sorted({str(name) for name in keep_float32})
     return options
+
+
+def _synchronous_items(profile: Profile, buckets: list[list[int]], wire_dtype: str, options: dict[str, Any],
+                       link_ids: list[int]) -> tuple[list[CommItem], dict[str, Any]]:
+    """WFBP's items in the wire dtypes the plan sends: ``wire_dtype`` for every bucket, or with ``wire_prices``
+    each bucket's choice (``planner.wire.choose_wire``), kept only where the synchronous plan with them is faster,
+    priced, than the float32 one. Also the metadata recording the choice."""
+    if not options.get("wire_prices"):
+        return wfbp_items(profile, buckets, wire_dtype=wire_dtype), {}
+    full = wfbp_items(profile, buckets)
+    compute = profile.forward_ms + profile.backward_ms + profile.update_ms
+    full_ms = simulate(profile, Plan("deft", full), record=False, check=False).iteration_ms
+    prices = options["wire_prices"]
+    chosen = choose_wire(profile, buckets, prices, full_ms, compute, options.get("keep_float32", ()),
+                         [profile.links[l] for l in link_ids])
+    if all(dtype == WIRE_FULL for dtype in chosen):
+        return full, {"narrowed_buckets": 0}
+    narrowed = [dataclasses.replace(item, wire_dtype=dtype) for item, dtype in zip(full, chosen)]
+    narrowed_ms = simulate(profile, Plan("deft", narrowed), record=False, check=False).iteration_ms
+    price = sum(bucket_wire_price(profile, bucket, prices[dtype]) for bucket, dtype in zip(buckets, chosen)
+                if dtype != WIRE_FULL)
+    if priced_step_ms(narrowed_ms, price, compute) >= full_ms:
+        return full, {"narrowed_buckets": 0, "wire_refused": f"narrowed {narrowed_ms:.4g} ms with a price of "
+                      f"{price:.3g} ms is not faster than float32's {full_ms:.4g} ms"}
+    return narrowed, {"narrowed_buckets": sum(dtype != WIRE_FULL for dtype in chosen), "wire_price_ms": price}
 
 
 def _layout(synchronous: list[CommItem], share_items: list[tuple[int, int, tuple]], same_as_wfbp: bool) -> Plan:

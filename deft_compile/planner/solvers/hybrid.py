@@ -38,8 +38,9 @@ def with_priority_synchronous(profile: Profile, plan: Plan, schedule: str) -> Pl
     """``plan`` (DeFT's) with its synchronous parameters carried by ``schedule``'s priority plan.
 
     The result keeps the policy and options of ``plan`` plus ``synchronous_schedule``; its metadata records
-    the priority plan's options. A plan with no delays or periods becomes the priority plan's items alone. The
-    priority plan sends in ``plan``'s fixed wire dtype (its ``wire_dtype`` option).
+    the priority plan's options. A plan with no delays or periods becomes the priority plan's items alone. Each
+    parameter crosses the link in the wire dtype ``plan`` gave it; a priority item whose parameters ``plan`` sent
+    in different dtypes sends full precision.
     """
     if schedule not in PRIORITY_SOLVERS:
         raise ValueError(f"synchronous_schedule must be one of {', '.join(PRIORITY_SOLVERS)}; got {schedule!r}")
@@ -48,12 +49,18 @@ def with_priority_synchronous(profile: Profile, plan: Plan, schedule: str) -> Pl
                          "(DeFT's multi-link plan splits synchronous buckets over the links)")
     stale = sorted((item for item in plan.items if item.delay or item.period > 1), key=lambda item: item.order)
     stale_params = {s.param for item in stale for s in item.slices}
-    priority = PRIORITY_SOLVERS[schedule](profile, wire_dtype=plan.options.get("wire_dtype", WIRE_FULL))
+    wire_of = {s.param: item.wire_dtype for item in plan.items for s in item.slices}
+    narrow = sorted({dtype for dtype in wire_of.values() if dtype != WIRE_FULL})
+    priority = PRIORITY_SOLVERS[schedule](profile, wire_dtype=plan.options.get("wire_dtype", narrow[0] if narrow
+                                                                               else WIRE_FULL))
     rest = []  # the priority items less the delayed parameters (a US-Byte block may cross parameters)
     for item in sorted(priority.items, key=lambda item: item.order):
         slices = tuple(s for s in item.slices if s.param not in stale_params)
         if slices:
-            rest.append(dataclasses.replace(item, slices=slices))
+            # each parameter keeps the wire dtype DeFT's plan chose for it; an item whose parameters differ, full
+            wires = {wire_of.get(s.param, WIRE_FULL) for s in slices}
+            rest.append(dataclasses.replace(item, slices=slices, wire_dtype=wires.pop() if len(wires) == 1
+                                            else WIRE_FULL))
     first_bucket = 1 + max((item.bucket for item in stale), default=-1)
     items: list[CommItem] = []
     for position, item in enumerate(stale + rest):

@@ -1,0 +1,72 @@
+"""Which buckets cross the link in a 16-bit dtype: each bucket's choice by the time it saves and its price.
+
+A bucket sent in ``bfloat16`` or ``float16`` crosses the link in half the bytes of float32 and arrives with a
+rounding error. The Preserver prices that error in the unit it prices staleness in (ms per step of the compute
+step, :mod:`deft_compile.preserver.wire_pricing`); this module turns prices into a choice per bucket:
+
+- A bucket narrows to the dtype whose price is lowest among the allowed 16-bit dtypes, when the link time it
+  saves exceeds that price scaled to the step (``narrowing_pays``): the priced step is the step time over
+  ``1 - price / compute``, so a price P costs about ``step / compute x P`` ms per step.
+- The set of narrowed buckets is then judged as a whole by the simulator (``solvers.deft``): the synchronous
+  plan with those buckets narrowed must be faster, priced, than the float32 one, or nothing narrows.
+- ``keep_float32`` names parameters (``fnmatch`` patterns) whose buckets never narrow: the Preserver's for
+  buckets it measured harmful after they ran narrowed (a bucket sent back to float32 stays there), or a user's.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Sequence
+
+from deft_compile.planner.plan import WIRE_FULL, LinkCost, Profile, may_narrow, wire_element_bytes
+
+
+def narrowing_pays(saved_ms: float, price_ms: float, step_ms: float, compute_ms: float) -> bool:
+    """Whether sending a bucket narrowed pays: the link time it saves per step (``saved_ms``) beats its price
+    (``price_ms``, a share ``price / compute`` of each step's progress) on a step of ``step_ms``. A price of
+    zero pays for any saving; a bucket that saves nothing never narrows."""
+    if saved_ms <= 0:
+        return False
+    lost = step_ms * price_ms / compute_ms if compute_ms > 0 else 0.0
+    return saved_ms > lost
+
+
+def bucket_link_ms(profile: Profile, bucket: Sequence[int], wire_dtype: str, links: Sequence[LinkCost]) -> float:
+    """The fastest link's time for one all-reduce of ``bucket`` sent as ``wire_dtype``."""
+    nbytes = sum(profile.params[p].numel * wire_element_bytes(profile.params[p].dtype, wire_dtype) for p in bucket)
+    return min(link.cost(nbytes) for link in links) if links else 0.0
+
+
+def bucket_wire_price(profile: Profile, bucket: Sequence[int], prices: dict[str, float]) -> float:
+    """A bucket's price at one dtype: the sum of its parameters' (by name; 0 where unpriced)."""
+    return sum(prices.get(profile.params[p].name, 0.0) for p in bucket)
+
+
+def choose_wire(profile: Profile, buckets: Sequence[Sequence[int]], wire_prices: dict[str, dict[str, float]],
+                step_ms: float, compute_ms: float, keep_float32: Sequence[str] = (),
+                links: Sequence[LinkCost] | None = None) -> list[str]:
+    """Each bucket's wire dtype: the cheapest-priced 16-bit dtype of ``wire_prices`` (dtype -> parameter name ->
+    ms per step) where ``narrowing_pays`` on a step of ``step_ms``, float32 otherwise. A bucket holding a
+    parameter ``keep_float32`` names, or a gradient dtype that does not narrow, stays float32. A dtype absent
+    from ``wire_prices`` is never chosen (unmeasured: no price, no narrowing)."""
+    links = list(profile.links if links is None else links)
+    choice = []
+    for bucket in buckets:
+        names = [profile.params[p].name for p in bucket]
+        if (not bucket or not all(may_narrow(profile.params[p].dtype) for p in bucket)
+                or any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in keep_float32)):
+            choice.append(WIRE_FULL)
+            continue
+        full_ms = bucket_link_ms(profile, bucket, WIRE_FULL, links)
+        best, best_price = WIRE_FULL, 0.0
+        for dtype in sorted(wire_prices):
+            if dtype == WIRE_FULL:
+                continue
+            price = bucket_wire_price(profile, bucket, wire_prices[dtype])
+            saved = full_ms - bucket_link_ms(profile, bucket, dtype, links)
+            if narrowing_pays(saved, price, step_ms, compute_ms) and (best == WIRE_FULL or price < best_price):
+                best, best_price = dtype, price
+        choice.append(best)
+    return choice

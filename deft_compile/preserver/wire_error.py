@@ -1,0 +1,82 @@
+"""Measures what a 16-bit wire would do to this rank's gradients: the numbers ``wire_pricing`` prices.
+
+For each gradient g and each 16-bit dtype it computes the error of the cast the step performs on the link,
+``ε = q(g / W) − g / W`` (q: round to the dtype and back, as the all-reduce's input is), with ‖g‖ and ‖g‖²:
+one rank's row, summed over ranks by the caller before pricing. Norms are taken in the optimizer's metric
+where it has one (``metric_weights``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from deft_compile.preserver.staleness import seeded_loss
+
+
+def metric_weights(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                   gradients: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Per parameter, the elementwise weight its update applies to the gradient's error, √P with
+    P = 1 / (√v̂ + eps), for the optimizers that divide by a second moment (Adam, AdamW, RMSprop, Adagrad): v̂
+    from the optimizer's state, or g² where it holds none yet (Adam's bias-corrected v̂ after its first step).
+    None for the others (SGD: the plain norm)."""
+    from deft_compile.preserver.staleness import _SECOND_MOMENT
+
+    key = next((k for cls, k in _SECOND_MOMENT.items() if isinstance(optimizer, cls)), None)
+    if key is None:
+        return [None] * len(params)
+    eps_of = {p: group.get("eps", 1e-8) for group in optimizer.param_groups for p in group["params"]}
+    weights: list[torch.Tensor | None] = []
+    for p, g in zip(params, gradients):
+        v = optimizer.state.get(p, {}).get(key)
+        if isinstance(v, torch.Tensor) and v.shape == p.shape:
+            root = v.detach().sqrt()
+        elif g is not None:
+            root = g.detach().abs()
+        else:
+            weights.append(None)
+            continue
+        weights.append((root + eps_of.get(p, 1e-8)).reciprocal().sqrt())
+    return weights
+
+
+def cast_error_norms(gradients: Sequence[torch.Tensor | None], world_size: int, dtypes: Sequence[str],
+                     weights: Sequence[torch.Tensor | None] | None = None) -> list[float]:
+    """One rank's numbers, per gradient: ‖g‖, ‖g‖², then per dtype ‖q(g / W) − g / W‖ (all in float64, weighted
+    elementwise by ``weights`` where given; zeros for a missing gradient)."""
+    row: list[float] = []
+    for index, gradient in enumerate(gradients):
+        if gradient is None:
+            row.extend([0.0] * (2 + len(dtypes)))
+            continue
+        share = gradient.detach().float() / world_size
+        weight = weights[index] if weights is not None else None
+        exact = gradient.detach().double() * (weight.double() if weight is not None else 1.0)
+        norm = float(torch.linalg.vector_norm(exact))
+        row.extend([norm, norm * norm])
+        for dtype in dtypes:
+            error = share.to(getattr(torch, dtype)).to(share.dtype).double() - share.double()
+            if weight is not None:
+                error = error * weight.double()
+            row.append(float(torch.linalg.vector_norm(error)))
+    return row
+
+
+def step_gradients(model: torch.nn.Module, names: Sequence[str], params: Sequence[torch.Tensor],
+                   buffers: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor] | None, args: tuple,
+                   kwargs: dict[str, Any]) -> list[torch.Tensor | None]:
+    """This rank's gradient of the step's loss on its inputs at the current weights, eagerly (``seeded_loss``:
+    the buffers cloned, random numbers from a forked generator, no ``.grad`` touched). None for a parameter the
+    loss does not reach or that does not train."""
+    leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
+    trained = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+    tensors = dict(zip(names, leaves))
+    tensors.update({name: buffer.clone() for name, buffer in buffers.items()})
+    with torch.enable_grad():
+        loss = seeded_loss(model, tensors, loss_fn, args, kwargs)
+        grads = torch.autograd.grad(loss, [leaves[i] for i in trained], allow_unused=True)
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    for i, g in zip(trained, grads):
+        out[i] = g
+    return out
