@@ -4,10 +4,12 @@
 suite's aten default, tests/conftest.py, taken out), so every ``DeftConfig()`` takes the default compiler, regional
 Inductor; it reports what lowered the step graphs' regions.
 
-The Adam-family comparisons are bounded by ``torch.compile``'s own difference from eager on the same model, data and
-steps: ``compile_beside_ddp`` measures it (DDP around ``torch.compile(model)`` with the same eager optimizer, against
-plain DDP), ``trainer_beside_plain`` measures it for ``transformers.Trainer`` (``torch_compile=True``) beside
-``DeftTrainer``.
+Every comparison is bounded by ``torch.compile``'s own difference from eager on the same model, data and steps,
+measured in the same launch (tests/bounds.py): ``compile_beside_ddp`` measures it (DDP around ``torch.compile(model)``
+with the same eager optimizer, learning-rate schedule, clipping, accumulation and loss scaling, against plain DDP),
+``with_yardstick`` runs it after any worker of the suite, ``delayed_beside_compile`` measures it for the eager
+reference of the delayed semantics beside deft, ``trainer_beside_plain`` for ``transformers.Trainer``
+(``torch_compile=True``) beside ``DeftTrainer``.
 """
 
 from __future__ import annotations
@@ -45,15 +47,23 @@ def _draw_dropout_like_eager() -> None:
 
 
 def compile_beside_ddp(rank: int, world_size: int, case: str, steps: int, autocast: str | None = None,
-                       overflow_at: int | None = None, max_grad_norm: float | None = None) -> list[dict]:
-    """``torch.compile``'s own difference from eager: ``case``'s seeded model under torch DDP (eager) and a copy compiled
-    with ``torch.compile`` (Inductor) under DDP, each with the case's eager optimizer, on the per-rank batches and
-    Dropout seeds of ``workers.compare_with_ddp``. With ``autocast`` (``"float16"``, ``"bfloat16"``) both run forward
-    and loss under CPU autocast with a ``GradScaler`` each, unscale, clip at ``max_grad_norm`` and step through it, as
-    ``loop_workers.loss_scaling_with_ddp``'s DDP side does (both scales jump to 2**40 at step ``overflow_at``). Per
-    step, the compiled copy against eager (``workers._compare``; gradients left out under a scaler, as there), with
-    the difference of the losses and whether the compiled side's scaler skipped the update."""
+                       overflow_at: int | None = None, max_grad_norm: float | None = None, accumulation: int = 1,
+                       lr_schedule: bool = False) -> list[dict]:
+    """``torch.compile``'s own difference from eager: ``case``'s seeded model under torch DDP (eager) and a copy
+    compiled with ``torch.compile`` (Inductor) under DDP, each with the case's eager optimizer, on the per-rank batches
+    and Dropout seeds of ``workers.compare_with_ddp``. With ``autocast`` (``"float16"``, ``"bfloat16"``) both run
+    forward and loss under CPU autocast with a ``GradScaler`` each, unscale, clip at ``max_grad_norm`` and step through
+    it, as ``loop_workers.loss_scaling_with_ddp``'s DDP side does (both scales jump to 2**40 at step ``overflow_at``);
+    with ``max_grad_norm`` alone both clip as ``loop_workers.clip_with_ddp``'s DDP side does; with ``accumulation`` N
+    both accumulate N micro-batches (``no_sync()`` on the first N-1, the loss over N) per update, as
+    ``loop_workers.accumulation_with_ddp``'s DDP side does; with ``lr_schedule`` both step the warm-up of
+    ``workers.policy_with_lr_schedule_beside_ddp`` (``LambdaLR``, ``(t + 1) / steps``) after every step. After every
+    update, the compiled copy against eager (``workers._compare``; gradients left out under a scaler, as there), with
+    the difference of the losses (``loss_diff``), the relative difference of the norms the clip measured (``norm_diff``;
+    with ``max_grad_norm``) and whether the compiled side's scaler skipped the update."""
     import contextlib
+
+    from torch.optim.lr_scheduler import LambdaLR
 
     _draw_dropout_like_eager()
     make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, _, _ = _ddp_pair(case)
@@ -61,25 +71,31 @@ def compile_beside_ddp(rank: int, world_size: int, case: str, steps: int, autoca
     compiled = DistributedDataParallel(torch.compile(compiled_model), **CASES[case][4])
     sides = [(ddp_model, ddp, ddp_optimizer), (compiled_model, compiled, make_optimizer(compiled_model))]
     scalers = [torch.amp.GradScaler("cpu", growth_interval=3) for _ in sides] if autocast else [None, None]
+    schedulers = [LambdaLR(optimizer, lambda t: (t + 1) / steps) for _, _, optimizer in sides] if lr_schedule else []
     region = (lambda: torch.autocast("cpu", dtype=getattr(torch, autocast))) if autocast else contextlib.nullcontext
     data = torch.Generator().manual_seed(1234 + rank)
     report = []
     for t in range(steps):
         inputs, targets = make_batch(data)
-        losses, skipped = [], False
+        last = t % accumulation == accumulation - 1
+        losses, norms, skipped = [], [], False
         for (model, module, optimizer), scaler in zip(sides, scalers):
             if scaler is not None and t == overflow_at:
                 scaler._scale.fill_(2.0**40)
             torch.manual_seed(100 * rank + t)
-            optimizer.zero_grad(set_to_none=True)
-            with region():
-                loss = loss_fn(module(inputs), targets)
-            losses.append(float(loss.detach()))
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if t % accumulation == 0:
+                optimizer.zero_grad(set_to_none=True)
+            with contextlib.nullcontext() if last else module.no_sync():
+                with region():
+                    loss = loss_fn(module(inputs), targets)
+                losses.append(float(loss.detach()))
+                (scaler.scale(loss / accumulation) if scaler is not None else loss / accumulation).backward()
+            if not last:
+                continue
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
             if scaler is not None:
                 before = scaler.get_scale()
                 scaler.step(optimizer)
@@ -87,13 +103,28 @@ def compile_beside_ddp(rank: int, world_size: int, case: str, steps: int, autoca
                 skipped = scaler.get_scale() < before
             else:
                 optimizer.step()
+        for scheduler in schedulers:
+            scheduler.step()
+        if not last:
+            continue
         states = [_named_state(model, optimizer) for model, _, optimizer in sides]
         if autocast:
             states = [{k: v for k, v in state.items() if not k.startswith("grad:")} for state in states]
         entry = _compare(states[1], states[0])
         entry.update(step=t, loss_diff=abs(losses[1] - losses[0]), skipped=skipped)
+        if norms:
+            entry["norm_diff"] = abs(norms[1] - norms[0]) / norms[0]
         report.append(entry)
     return report
+
+
+def with_yardstick(rank: int, world_size: int, fn, args: tuple, case: str, steps: int,
+                   options: dict | None = None) -> dict:
+    """``fn(rank, world_size, *args)`` (a worker returning a dict), then in the same process its bound,
+    ``compile_beside_ddp(rank, world_size, case, steps, **options)`` on the reference ``fn`` compares with: ``fn``'s
+    result with the yardstick's report under ``"compiled"``."""
+    result = fn(rank, world_size, *args)
+    return {**result, "compiled": compile_beside_ddp(rank, world_size, case, steps, **(options or {}))}
 
 
 def loss_scaling_beside_compile(rank: int, world_size: int, steps: int, overflow_at: int, autocast: str) -> dict:
@@ -106,13 +137,15 @@ def loss_scaling_beside_compile(rank: int, world_size: int, steps: int, overflow
     return {"deft": deft["steps"], "compiled": compiled}
 
 
-def delayed_beside_compile(rank: int, world_size: int, case: str, steps: int, delayed_update: str) -> dict:
-    """deft with a plan that delays buckets (``POLICY_OPTIONS["deft"]`` on ``workers.synthetic_profile``, the Preserver on,
-    ``delayed_update``), as ``workers.compare_deft_with_delayed_reference`` runs it, beside two eager references of the
-    plan's semantics (``workers.PlanReference``): one with the model eager, one with it compiled in place by
-    ``torch.compile`` (``nn.Module.compile``: same parameter names), on the same batches and Dropout seeds. Per step
-    and after ``flush``: deft against the eager reference (``steps``, ``final``), and the compiled reference against
-    it (``compiled``: torch.compile's own difference from eager on these steps and semantics)."""
+def delayed_beside_compile(rank: int, world_size: int, case: str, steps: int, delayed_update: str,
+                           compiler: str | None = None) -> dict:
+    """deft with a plan that delays buckets (``POLICY_OPTIONS["deft"]`` on ``workers.synthetic_profile``, the Preserver
+    on, ``delayed_update``), as ``workers.compare_deft_with_delayed_reference`` runs it, beside two eager references of
+    the plan's semantics (``workers.PlanReference``): one with the model eager, one with it compiled in place by
+    ``torch.compile`` (``nn.Module.compile``: same parameter names), on the same batches and Dropout seeds. Per step and
+    after ``flush``: deft against the eager reference (``steps``, ``final``), and the compiled reference against it
+    (``compiled``: torch.compile's own difference from eager on these steps and semantics). ``compiler``: deft's
+    (default: ``DeftConfig()``'s)."""
     from deft_compile.preserver import PreserverConfig
     from workers import PlanReference, plan_schedule_by_name, reference_case
 
@@ -124,7 +157,8 @@ def delayed_beside_compile(rank: int, world_size: int, case: str, steps: int, de
     compiled_model.compile()
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(plan_options=POLICY_OPTIONS["deft"], preserver=PreserverConfig(),
-                                          delayed_update=delayed_update))
+                                          delayed_update=delayed_update,
+                                          **({"compiler": compiler} if compiler else {})))
     references, report, compiled_report = [], [], []
     for t, (inputs, targets) in enumerate(batches):
         torch.manual_seed(100 * rank + t)
@@ -151,7 +185,8 @@ def delayed_beside_compile(rank: int, world_size: int, case: str, steps: int, de
     compiled_report.append({**_compare(_named_state(compiled_model, compiled_optimizer), eager), "step": "flush"})
     return {"steps": report, "final": final, "compiled": compiled_report, "delayed": delayed,
             "all_params": len(list(deft_model.parameters())), "pending_after_flush": step.pending,
-            "semantics": step.config.delayed_update}
+            "semantics": step.config.delayed_update, "lowering_history": step.lowering.history,
+            "final_params": {n: p.detach().clone() for n, p in deft_model.named_parameters()}}
 
 
 def policy_beside_ddp(rank: int, world_size: int, case: str, steps: int, policy: str) -> dict:
@@ -159,7 +194,8 @@ def policy_beside_ddp(rank: int, world_size: int, case: str, steps: int, policy:
     other policies plan from ``workers.synthetic_profile``, so they reorder and defer updates, as in
     ``compare_policy_with_ddp``). Per step the comparison (a parameter whose update the plan moved to the next
     forward against DDP's previous step); after ``flush`` against DDP's last state."""
-    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer = _ddp_pair(case)
+    (make_optimizer, make_batch, loss_fn, base,
+     ddp_model, ddp, ddp_optimizer, deft_model, deft_optimizer) = _ddp_pair(case)
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
     if policy == "wfbp":
@@ -189,7 +225,8 @@ def dlcp_beside_ddp(rank: int, world_size: int, steps: int) -> dict:
     data = torch.Generator().manual_seed(1234 + rank)
     batches = [make_batch(data) for _ in range(steps)]
     scratch = copy.deepcopy(base)
-    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size, comm_over_compute=2.0)
+    profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size,
+                                comm_over_compute=2.0)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="dlcp", profile=profile,
                         config=DeftConfig(plan_options={"deadline_ms": None, "max_loss": 0.1, "chunk_bytes": 256}))
     report = []

@@ -1,4 +1,8 @@
-"""Workers of the 2-process Inductor tests (module level so spawn can import them)."""
+"""Workers of the 2-process Inductor tests (module level so spawn can import them).
+
+Each measures its bound in the same launch (tests/bounds.py): the reference it compares deft with, with the model
+compiled by ``torch.compile``, against that reference.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,15 @@ import re
 
 import torch
 
+from default_route_workers import compile_beside_ddp
 from workers import compare_with_ddp
 
 
 def inductor_vs_ddp(rank: int, world_size: int, case: str, steps: int, compiler: str = "inductor") -> dict:
     """``workers.compare_with_ddp`` with an Inductor compiler (policy "wfbp"), plus the FX graph's collective order
     and the order the lowered step runs them in: the regional program's (``inductor``), the generated wrapper's
-    (``inductor-graph``)."""
+    (``inductor-graph``); and the bound, ``default_route_workers.compile_beside_ddp`` on the same case and steps
+    (``compiled``)."""
     from deft_compile.step.lowering import collective_order
 
     result = compare_with_ddp(rank, world_size, case, steps, compiler=compiler)
@@ -22,13 +28,14 @@ def inductor_vs_ddp(rank: int, world_size: int, case: str, steps: int, compiler:
     ]
     return {"steps": result["steps"], "compilers": result["compilers"], "fx_order": fx_order,
             "program_order": result.get("program_order"), "code_order": collective_order(result["generated_code"]),
-            "history": result["lowering_history"],
-            "buckets": result["buckets"]}
+            "history": result["lowering_history"], "buckets": result["buckets"],
+            "compiled": compile_beside_ddp(rank, world_size, case, steps)}
 
 
 def backend_inductor_vs_ddp(rank: int, world_size: int) -> dict:
-    """torch.compile(backend="deft") with Inductor: wfbp vs DDP (SGD and AdamW), then policy="deft" runs
-    and keeps the replicas identical."""
+    """torch.compile(backend="deft") with Inductor: wfbp vs DDP (SGD and AdamW), each with its bound (``compiled``:
+    DDP around ``torch.compile(model)``, Inductor, against DDP, the same optimizer and batches, measured the same way),
+    then policy="deft" runs and keeps the replicas identical."""
     import copy
 
     import torch.distributed as dist
@@ -62,6 +69,20 @@ def backend_inductor_vs_ddp(rank: int, world_size: int) -> dict:
             deft_opt.step()
             worst = max(worst, _errors(deft_model, ddp_model)[1])
         results[name] = {"max_rel": worst, "buckets": [len(c.buckets) for c in backend.compiled_backwards()]}
+        _fresh()
+        torch.manual_seed(0)
+        base = MLP()
+        eager_model, compiled_model = copy.deepcopy(base), copy.deepcopy(base)
+        eager, compiled = DistributedDataParallel(eager_model), DistributedDataParallel(torch.compile(compiled_model))
+        eager_opt, compiled_opt = make_optimizer(eager_model), make_optimizer(compiled_model)
+        drift = 0.0
+        for x, y in _batches(rank, STEPS):
+            for module, optimizer in ((eager, eager_opt), (compiled, compiled_opt)):
+                optimizer.zero_grad()
+                _loss(module(x), y).backward()
+                optimizer.step()
+            drift = max(drift, _errors(compiled_model, eager_model)[1])
+        results[name]["compiled"] = drift
     _fresh()
     torch.manual_seed(0)
     model = MLP()

@@ -2,6 +2,10 @@
 
 Kept small: each Inductor compile of a step graph takes seconds on CPU, so the
 rest of the suite runs the graphs as aten (tests/conftest.py).
+
+Every comparison of an Inductor-compiled step with a reference is bounded by ``DRIFT_MULTIPLE`` times the yardstick
+measured beside it (the reference with the model compiled by ``torch.compile``, against the reference), or by a
+written round-off analysis (tests/bounds.py).
 """
 
 from __future__ import annotations
@@ -13,13 +17,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bounds import check_difference, check_within_drift, worst
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.passes.scalars import tensorize_item_reads
 from deft_compile.step import lowering
 from deft_compile.step.capture import capture_step
 from deft_compile.tools.launcher import run_local_workers
+from default_route_workers import delayed_beside_compile, with_yardstick
 from inductor_workers import inductor_vs_ddp
-from workers import check_entry, policy_with_lr_schedule_beside_ddp
+from workers import policy_with_lr_schedule_beside_ddp
+
+# Cold Inductor compiles (deft's and its yardstick's) on a 2-core host take minutes per launch when the host is busy;
+# this is a hang guard.
+pytestmark = pytest.mark.timeout(900)
 
 
 def _mlp() -> nn.Module:
@@ -34,7 +44,8 @@ def _batches(n: int):
 
 def test_compiler_option_and_environment(monkeypatch):
     assert DeftConfig(compiler="aten").compiler == "aten"
-    with pytest.raises(ValueError, match="DeftConfig.compiler must be one of 'inductor', 'inductor-graph', 'aten'; got 'tvm'"):
+    with pytest.raises(ValueError,
+                       match="DeftConfig.compiler must be one of 'inductor', 'inductor-graph', 'aten'; got 'tvm'"):
         DeftConfig(compiler="tvm")
     monkeypatch.setenv("DEFT_COMPILER", "inductor")
     assert DeftConfig().compiler == "inductor"
@@ -67,17 +78,49 @@ def test_item_reads_become_tensor_arithmetic():
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference of ``a`` from ``b`` over ``b``'s largest magnitude."""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _adamw_under_step_lr(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)
+
+
+@pytest.fixture(scope="module")
+def adamw_under_step_lr_drift() -> float:
+    """The yardstick of the local AdamW runs (tests/bounds.py): ``_mlp()`` compiled by ``torch.compile`` against the
+    eager one, each with the eager AdamW and StepLR on the same batches; the largest relative difference of a
+    parameter after the run."""
+    eager, compiled = _mlp(), _mlp()
+    torch._dynamo.reset()  # a fresh recompile budget: past it Dynamo runs the model eagerly
+    # (``torch.compile(model)``: ``nn.Module.compile`` compiles nothing of a ``torch.nn`` container of ``torch.nn``
+    # layers, whose frames Dynamo skips)
+    for model, forward in ((eager, eager), (compiled, torch.compile(compiled))):
+        optimizer, schedule = _adamw_under_step_lr(model)
+        for x, y in _batches(4):
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(forward(x), y).backward()
+            optimizer.step()
+            schedule.step()
+    torch._dynamo.reset()
+    return max(_relative(a.detach(), b.detach()) for a, b in zip(compiled.parameters(), eager.parameters()))
+
+
 @pytest.mark.parametrize("whole", [False, True])
-def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(caplog, monkeypatch, whole):
-    """One graph for a whole LR schedule, same numbers as aten. Regional (the default): its regions compile on its
-    first run and the LR changes compile nothing more. Whole-graph (``inductor-graph``): compiled on its second run."""
+def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(caplog, monkeypatch, whole,
+                                                                             adamw_under_step_lr_drift):
+    """One graph for a whole LR schedule, the aten route's numbers to round-off (within ``DRIFT_MULTIPLE`` times
+    torch.compile's own difference from eager on the same model, optimizer, schedule and batches). Regional (the
+    default): its regions compile on its first run and the LR changes compile nothing more. Whole-graph
+    (``inductor-graph``): compiled on its second run."""
     monkeypatch.setattr(lowering, "REGION_CACHES", False)  # every region keeps its generated code for the check
     inductor = "inductor-graph" if whole else "inductor"
     models = {c: _mlp() for c in ("aten", inductor)}
     steps = {}
     for compiler, model in models.items():
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)
+        optimizer, schedule = _adamw_under_step_lr(model)
         steps[compiler] = step = deft_compile(model, optimizer, F.cross_entropy, config=DeftConfig(compiler=compiler))
         with caplog.at_level(logging.INFO, logger="deft_compile"):
             for x, y in _batches(4):
@@ -92,8 +135,10 @@ def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(cap
     else:
         assert steps[inductor].lowering.cold_runs == 2  # the first step's regions, then the steady updates
         assert "region(s) of the step graph" in caplog.text
-    for a, b in zip(models["aten"].parameters(), models[inductor].parameters()):
-        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-6
+    differences = {name: _relative(a.detach(), b.detach())
+                   for (name, a), b in zip(models[inductor].named_parameters(), models["aten"].parameters())}
+    name = max(differences, key=differences.get)
+    check_difference(differences[name], adamw_under_step_lr_drift, f"{inductor}, worst {name}")
     # AdamW's per-parameter scalars (bias corrections: pow in float64) are computed once per step, not
     # inside the element loops (lowering.RealizeScalars)
     source = steps[inductor].lowering.last.source_code
@@ -130,7 +175,8 @@ def test_tanh_gelu_rewrite_is_accurate():
         return F.gelu(x, approximate="tanh"), aten.gelu_backward(grad, x, approximate="tanh"), F.gelu(x)
 
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([torch.randn(4096, generator=g) * 3, torch.tensor([-100.0, -30.0, -9.0, -1e-6, 0.0, 1e-6, 9.0, 100.0])])
+    x = torch.cat([torch.randn(4096, generator=g) * 3,
+                   torch.tensor([-100.0, -30.0, -9.0, -1e-6, 0.0, 1e-6, 9.0, 100.0])])
     grad = torch.randn(x.shape, generator=g)
     gm = lowering.decompose_tanh_gelu(make_fx(fn, tracing_mode="fake")(x, grad))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -167,19 +213,17 @@ def test_inductor_failure_falls_back_to_aten_once(monkeypatch, caplog):
 
 @pytest.fixture(scope="module", params=["mlp_dropout_sgd", "transformer_tied_adamw_groups", "cnn_batchnorm_adam"])
 def ddp_report(request):
-    results = run_local_workers(inductor_vs_ddp, 2, (request.param, 5), timeout_s=400, collective_timeout_s=240)
+    results = run_local_workers(inductor_vs_ddp, 2, (request.param, 5), timeout_s=800, collective_timeout_s=240)
     return request.param, [r.value for r in results]
 
 
 def test_inductor_wfbp_equals_ddp(ddp_report):
-    """SGD (with Dropout: Inductor falls back to ATen's RNG) to 1e-6 relative, AdamW to 1e-5."""
+    """SGD (with Dropout: Inductor falls back to ATen's RNG), AdamW and Adam with BatchNorm: DDP's numbers within
+    ``DRIFT_MULTIPLE`` times DDP around ``torch.compile(model)`` against DDP, measured in the same launch."""
     case, per_rank = ddp_report
-    tolerance = 1e-6 if case.endswith("sgd") else 1e-5
     for rank, report in enumerate(per_rank):
         assert report["compilers"] == ["inductor"] * len(report["compilers"]), report["history"]
-        for entry in report["steps"]:
-            assert entry["missing"] == [] and entry["compared"] > 0
-            assert entry["max_rel"] <= tolerance, f"{case} rank {rank} step {entry['step']} worst {entry['worst']}"
+        check_within_drift(report["steps"], worst(report["compiled"]), f"{case} rank {rank}")
 
 
 def test_compiled_regions_run_between_the_collectives_where_the_plan_says(ddp_report):
@@ -204,27 +248,29 @@ def test_compiled_regions_run_between_the_collectives_where_the_plan_says(ddp_re
 
 def test_updates_moved_into_the_next_forward_equal_ddp_on_the_regional_route():
     """ByteScheduler's plan applies step t's updates before each layer's forward of call t+1; in regions the update
-    still runs before the layer that reads the parameter it wrote in place. DDP's numbers to 1e-6 relative under a
-    per-step LR schedule with flushes in the middle (SGD momentum, Dropout)."""
-    results = run_local_workers(policy_with_lr_schedule_beside_ddp, 2,
-                                ("mlp_dropout_sgd", 7, "bytescheduler", (2, 3), "inductor"), timeout_s=400,
-                                collective_timeout_s=240)
+    still runs before the layer that reads the parameter it wrote in place. DDP's numbers under a per-step LR
+    schedule with flushes in the middle (SGD momentum, Dropout), within ``DRIFT_MULTIPLE`` times DDP around
+    ``torch.compile(model)`` against DDP under the same schedule, measured in the same launch."""
+    case, steps = "mlp_dropout_sgd", 7
+    results = run_local_workers(with_yardstick, 2, (policy_with_lr_schedule_beside_ddp,
+                                                    (case, steps, "bytescheduler", (2, 3), "inductor"), case, steps,
+                                                    {"lr_schedule": True}), timeout_s=800, collective_timeout_s=240)
     for rank, result in enumerate(results):
         report = result.value
         assert any(entry["deferred"] for entry in report["steps"]), "the plan must defer updates"
-        for entry in report["steps"] + [report["final"]]:
-            check_entry(entry, False, f"rank {rank} step {entry.get('step', 'final')}", tolerance=1e-6)
+        check_within_drift(report["steps"] + [report["final"]], worst(report["compiled"]), f"rank {rank}")
 
 
 def test_whole_graph_lowering_keeps_each_kernel_between_the_same_collectives():
-    """Opt-in whole-graph lowering (``inductor-graph``): DDP's numbers, and the generated wrapper calls the
+    """Opt-in whole-graph lowering (``inductor-graph``): DDP's numbers (within ``DRIFT_MULTIPLE`` times DDP around
+    ``torch.compile(model)`` against DDP), and the generated wrapper calls the
     collectives in the FX graph's order with backward kernels between the first launch and the first wait and the
     optimizer's kernels after the last wait (no fusion moved compute across a collective)."""
-    results = run_local_workers(inductor_vs_ddp, 2, ("mlp_dropout_sgd", 4, "inductor-graph"), timeout_s=400,
+    results = run_local_workers(inductor_vs_ddp, 2, ("mlp_dropout_sgd", 4, "inductor-graph"), timeout_s=800,
                                 collective_timeout_s=240)
-    for report in (r.value for r in results):
+    for rank, report in enumerate(r.value for r in results):
         assert report["compilers"][-1] == "inductor", report["history"]
-        assert all(entry["max_rel"] <= 1e-6 for entry in report["steps"]), report["steps"]
+        check_within_drift(report["steps"], worst(report["compiled"]), f"rank {rank}")
         order = report["code_order"]
         collectives = [e for e in order if e != "kernel"]
         assert collectives == report["fx_order"] and collectives.count("all_reduce") == report["buckets"] >= 2
@@ -235,14 +281,16 @@ def test_whole_graph_lowering_keeps_each_kernel_between_the_same_collectives():
 
 
 def test_backend_with_inductor_equals_ddp_and_deft_policy_runs():
-    """backend="deft" with compiler="inductor": wfbp equals DDP (SGD 1e-6, AdamW 1e-5 relative);
-    policy="deft" profiles the backward graph, delays the buckets the knapsack picks, replicas stay equal."""
+    """backend="deft" with compiler="inductor": wfbp equals DDP with SGD and with AdamW, each within
+    ``DRIFT_MULTIPLE`` times DDP around ``torch.compile(model)`` against DDP (the same launch); policy="deft" profiles
+    the backward graph, delays the buckets the knapsack picks, replicas stay equal."""
     from inductor_workers import backend_inductor_vs_ddp
 
-    results = run_local_workers(backend_inductor_vs_ddp, 2, (), timeout_s=500, collective_timeout_s=240)
+    results = run_local_workers(backend_inductor_vs_ddp, 2, (), timeout_s=800, collective_timeout_s=240)
     for r in results:
         report = r.value
-        assert report["sgd"]["max_rel"] <= 1e-6 and report["adamw"]["max_rel"] <= 1e-5, report
+        for optimizer in ("sgd", "adamw"):
+            check_difference(report[optimizer]["max_rel"], report[optimizer]["compiled"], optimizer)
         assert report["sgd"]["buckets"] == [3]
         assert report["deft"]["replicas_equal"] and report["deft"]["finite"], report
         assert report["lowered"].get("aten", 0) == 0 and report["lowered"]["inductor"] >= 6, report
@@ -266,16 +314,14 @@ def test_inductor_delayed_plan_matches_eager_delayed_reference(delayed_update):
     """A plan with delayed buckets (d = 1) compiles with Inductor: the carried local gradient the previous call
     handed over is all-reduced functionally (an in-place all_reduce_ on a graph input made every delayed plan fall
     back to aten). Parameters and optimizer state match the eager delayed reference every step and after flush,
-    for both delayed semantics (``local`` also reads the carried tensor before its all-reduce)."""
-    from workers import check_entry, compare_deft_with_delayed_reference
-
-    results = run_local_workers(compare_deft_with_delayed_reference, 2,
-                                ("transformer_tied_adamw_groups", 5, "deft", 0.9, (), "inductor", delayed_update),
-                                timeout_s=500, collective_timeout_s=240)
+    for each delayed semantics (``local`` also reads the carried tensor before its all-reduce), within
+    ``DRIFT_MULTIPLE`` times the same reference with its model compiled by torch.compile, against the eager one."""
+    results = run_local_workers(delayed_beside_compile, 2,
+                                ("transformer_tied_adamw_groups", 5, delayed_update, "inductor"),
+                                timeout_s=800, collective_timeout_s=240)
     for rank, result in enumerate(r.value for r in results):
         assert result["delayed"], "the plan delays some buckets"
+        assert result["semantics"] == delayed_update
         steady = result["lowering_history"]
         assert steady and all(entry["compiler"] == "inductor" for entry in steady), result["lowering_history"]
-        for entry in result["steps"]:
-            check_entry(entry, False, f"rank {rank} step {entry['step']}", tolerance=1e-5)
-        check_entry(result["final"], False, f"rank {rank} after flush", tolerance=1e-5)
+        check_within_drift(result["steps"] + [result["final"]], worst(result["compiled"]), f"rank {rank}")
