@@ -256,6 +256,12 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # peers at a high coverage rate: DDP with gradient compression (fp16: gloo refuses bf16's hook; PowerSGD)
     "ddp-fp16": {"ddp": {"hook": "fp16"}},
     "ddp-powersgd": {"ddp": {"hook": "powersgd"}},
+    # post-local SGD, stock torch (``post_localSGD_hook`` on a one-rank subgroup, ``PostLocalSGDOptimizer`` with a
+    # ``PeriodicModelAverager``): DDP's averaged steps for the first 30, then local steps with the parameters
+    # averaged every 4
+    "ddp-postlocal": {"ddp": {"postlocal": 4}},
+    # deft's defaults held to a float32 wire (``DeftConfig(wire_dtypes=("float32",))``)
+    "deft-float32": {"wire_dtypes": ["float32"]},
     # a round-off control: DDP again, from initial weights one ulp away (a random direction per element)
     "ddp-ulp": {"ddp": {"perturb_ulps": 1}},
     # torch.compile(DDP) (DDPOptimizer splits the graph at bucket boundaries); Inductor unless the deft variants run
@@ -421,6 +427,28 @@ def _register_hook(ddp: nn.parallel.DistributedDataParallel, hook: str, cfg: TTA
         raise ValueError(f"unknown DDP communication hook {hook!r}")
 
 
+#: post-local SGD's averaged warm-up (steps of plain DDP before the local steps start)
+POST_LOCAL_WARMUP = 30
+
+
+def _post_local(ddp: nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                period: int) -> torch.optim.Optimizer:
+    """Post-local SGD as torch ships it: ``post_localSGD_hook`` all-reduces gradients over the whole group for
+    ``POST_LOCAL_WARMUP`` steps, then only within a one-rank subgroup (no communication); ``PostLocalSGDOptimizer``
+    averages the parameters over the group every ``period`` steps after the warm-up."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    subgroup, _ = dist.new_subgroups(group_size=1)
+    state = post_local.PostLocalSGDState(process_group=None, subgroup=subgroup,
+                                         start_localSGD_iter=POST_LOCAL_WARMUP)
+    ddp.register_comm_hook(state, post_local.post_localSGD_hook)
+    return PostLocalSGDOptimizer(optim=optimizer,
+                                 averager=PeriodicModelAverager(period=period, warmup_steps=POST_LOCAL_WARMUP))
+
+
 class _Variant:
     """One variant's model, optimizer, schedule, step function, clock and records (one rank)."""
 
@@ -455,6 +483,8 @@ class _Variant:
                 self.model, **({"bucket_cap_mb": cap} if cap is not None else {}))
             if controls.get("hook"):
                 _register_hook(ddp, controls["hook"], cfg)
+            if controls.get("postlocal"):
+                self.optimizer = _post_local(ddp, self.optimizer, int(controls["postlocal"]))
             # torch.compile with the deft variants' compiler: Inductor, or aot_eager beside the aten route
             backend = "inductor" if cfg.compiler.startswith("inductor") else "aot_eager"
             forward = torch.compile(ddp, backend=backend) if controls.get("compile") else ddp
@@ -474,6 +504,8 @@ class _Variant:
                 options["preserver"] = PreserverConfig(enabled=False)
             if "delayed_update" in spec:
                 options["delayed_update"] = spec["delayed_update"]
+            if "wire_dtypes" in spec:
+                options["wire_dtypes"] = tuple(spec["wire_dtypes"])
             # DDP's buckets: with a cap given, its first bucket has that cap too
             caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": bucket_cap_mb} if bucket_cap_mb else {}
             self.deft = deft_compile(self.model, self.optimizer, None, policy=spec.get("policy", "deft"),
