@@ -105,9 +105,10 @@ class DeftConfig(BucketSizes):
             of one model and link) and the closed loop measures it there from the step thread's run-queue delay.
         wire_dtypes: the dtypes a plan may send gradients over the link in (``"float32"``, the gradients as
             they are, and the 16-bit ``"bfloat16"`` and ``"float16"``); ``plan_options={"wire_dtype": ...}``
-            asks for one of them for every bucket of float32 gradients. All three by default: ``deft`` is
-            allowed to narrow a bucket where it measures it harmless, while ``wfbp``, ``bytescheduler`` and
-            ``usbyte`` send float32, DDP's numbers, unless ``wire_dtype`` asks.
+            asks for one of them for every bucket of float32 gradients. All three by default: ``deft`` narrows
+            a bucket where the link time it saves beats the measured price of its rounding (docs/POLICIES.md),
+            while ``wfbp``, ``bytescheduler`` and ``usbyte`` send float32, DDP's numbers, unless ``wire_dtype``
+            asks; ``("float32",)`` keeps every plan on float32.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB

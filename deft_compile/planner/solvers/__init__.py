@@ -77,6 +77,9 @@ def _check_wire(policy: str, options: dict[str, Any]) -> None:
     allowed = tuple(options.pop("wire_dtypes", WIRE_DTYPES))
     for dtype in allowed:
         check_wire_dtype(dtype)
+    if "keep_float32" in options and policy != "deft":
+        raise ValueError(f"keep_float32 keeps buckets of policy 'deft' off its 16-bit wire; policy {policy!r} sends "
+                         "one wire_dtype")
     wire_prices = options.pop("wire_prices", None)
     if wire_prices:
         if policy != "deft":
