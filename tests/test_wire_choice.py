@@ -158,3 +158,23 @@ def test_the_preserver_keeps_float32_buckets_across_a_resume():
     resumed = Preserver(PreserverConfig(), base_options={"wire_prices": _prices(1e-4)})
     resumed.load_state_dict(preserver.state_dict())
     assert resumed.unpriced_options()["keep_float32"] == ["p2", "p[[]1[]]"]
+
+
+def test_the_closed_loop_s_priority_rivals_narrow_what_the_plan_narrows():
+    """The priority plans a deft step measures beside its narrowed synchronous plan send each parameter in the
+    dtype that plan chose (float32 where it kept float32), so they are DDP's numbers with the same wire."""
+    from deft_compile.planner.closed_loop import priority_plans
+    from deft_compile.planner.solvers.hybrid import wire_by_param
+
+    profile = _profile()
+    plan = solve(profile, "deft", max_staleness=0, wire_prices=_prices(1e-4, ("float16",)), keep_float32=["p3"],
+                 **OPTIONS)
+    wire_of = wire_by_param(plan)
+    assert wire_of[3] == WIRE_FULL and wire_of[0] == "float16"
+    rivals = priority_plans(profile, wire_of)
+    assert {p.policy for p in rivals} == {"bytescheduler", "usbyte"}
+    for rival in rivals:
+        for item in rival.items:
+            wires = {wire_of[s.param] for s in item.slices}
+            assert item.wire_dtype == (wires.pop() if len(wires) == 1 else WIRE_FULL), rival.table(profile)
+    assert [p.hash() for p in priority_plans(profile)] == [p.hash() for p in priority_plans(profile, {})]

@@ -91,7 +91,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from deft_compile.planner.solvers import solve
-from deft_compile.planner.solvers.hybrid import PRIORITY_SOLVERS
+from deft_compile.planner.solvers.hybrid import PRIORITY_SOLVERS, priority_plan_with_wire, wire_by_param
 from deft_compile.planner.stability import predicted_ms, solve_stable
 
 log = logging.getLogger("deft_compile")
@@ -462,8 +462,10 @@ def synchronous_candidate(policy: str, plan, profile, solve_own: Callable[[dict]
     return solve(profile, "wfbp", **options)
 
 
-def priority_plans(profile) -> list:
-    """ByteScheduler's and US-Byte's plans on ``profile``, both measured.
+def priority_plans(profile, wire_of: dict[int, str] | None = None) -> list:
+    """ByteScheduler's and US-Byte's plans on ``profile``, both measured, each parameter in the wire dtype
+    ``wire_of`` gives it (the initial plan's: a narrowed synchronous plan's priority rivals narrow the same
+    parameters; ``hybrid.priority_plan_with_wire``).
 
     Why a deft step tries them: a synchronous plan that waits at the end of backward exposes the input-side
     gradients' communication every step (DESIGN.md §1). These plans send the input side first and wait for
@@ -475,7 +477,7 @@ def priority_plans(profile) -> list:
     plans = []
     for policy in PRIORITY_POLICIES:
         try:
-            plans.append(solve(profile, policy))
+            plans.append(priority_plan_with_wire(profile, policy, wire_of or {}))
         except ValueError as exc:  # a profile that solver cannot plan: measure the others
             log.warning("closed loop: no %s candidate: %s", policy, exc)
     return plans
@@ -490,7 +492,8 @@ def trial_queue(policy: str, plan, profile, measured: Measured, synchronous: IsS
     if not synchronous(plan):
         queue.append((synchronous_candidate(policy, plan, profile, solve_own), "synchronous candidate"))
     if config.priority_candidate and policy == "deft" and not loss_scaled:
-        queue += [(p, f"synchronous priority candidate ({p.policy})") for p in priority_plans(profile)]
+        queue += [(p, f"synchronous priority candidate ({p.policy})")
+                  for p in priority_plans(profile, wire_by_param(plan))]
     return [(p, why) for p, why in queue if p.hash() not in measured]
 
 

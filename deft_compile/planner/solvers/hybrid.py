@@ -49,18 +49,13 @@ def with_priority_synchronous(profile: Profile, plan: Plan, schedule: str) -> Pl
                          "(DeFT's multi-link plan splits synchronous buckets over the links)")
     stale = sorted((item for item in plan.items if item.delay or item.period > 1), key=lambda item: item.order)
     stale_params = {s.param for item in stale for s in item.slices}
-    wire_of = {s.param: item.wire_dtype for item in plan.items for s in item.slices}
-    narrow = sorted({dtype for dtype in wire_of.values() if dtype != WIRE_FULL})
-    priority = PRIORITY_SOLVERS[schedule](profile, wire_dtype=plan.options.get("wire_dtype", narrow[0] if narrow
-                                                                               else WIRE_FULL))
+    wire_of = wire_by_param(plan)
+    priority = PRIORITY_SOLVERS[schedule](profile, wire_dtype=plan.options.get("wire_dtype", _narrowest(wire_of)))
     rest = []  # the priority items less the delayed parameters (a US-Byte block may cross parameters)
     for item in sorted(priority.items, key=lambda item: item.order):
         slices = tuple(s for s in item.slices if s.param not in stale_params)
         if slices:
-            # each parameter keeps the wire dtype DeFT's plan chose for it; an item whose parameters differ, full
-            wires = {wire_of.get(s.param, WIRE_FULL) for s in slices}
-            rest.append(dataclasses.replace(item, slices=slices, wire_dtype=wires.pop() if len(wires) == 1
-                                            else WIRE_FULL))
+            rest.append(dataclasses.replace(item, slices=slices, wire_dtype=_wire_of_slices(slices, wire_of)))
     first_bucket = 1 + max((item.bucket for item in stale), default=-1)
     items: list[CommItem] = []
     for position, item in enumerate(stale + rest):
@@ -70,3 +65,36 @@ def with_priority_synchronous(profile: Profile, plan: Plan, schedule: str) -> Pl
     metadata = {**plan.metadata, "synchronous_schedule": {"policy": schedule, "options": dict(priority.options),
                                                           "stale_items": len(stale), "priority_items": len(rest)}}
     return finish(profile, plan.policy, items, options, metadata)
+
+
+def wire_by_param(plan: Plan) -> dict[int, str]:
+    """Each parameter's wire dtype in ``plan`` (a parameter split over items takes its first item's)."""
+    wire: dict[int, str] = {}
+    for item in plan.items:
+        for s in item.slices:
+            wire.setdefault(s.param, item.wire_dtype)
+    return wire
+
+
+def _narrowest(wire_of: dict[int, str]) -> str:
+    """The 16-bit dtype a priority solver sizes its items in: the first of those ``wire_of`` uses, else float32."""
+    narrow = sorted({dtype for dtype in wire_of.values() if dtype != WIRE_FULL})
+    return narrow[0] if narrow else WIRE_FULL
+
+
+def _wire_of_slices(slices, wire_of: dict[int, str]) -> str:
+    """An item's wire dtype: its parameters' where they agree, float32 where they differ."""
+    wires = {wire_of.get(s.param, WIRE_FULL) for s in slices}
+    return wires.pop() if len(wires) == 1 else WIRE_FULL
+
+
+def priority_plan_with_wire(profile: Profile, policy: str, wire_of: dict[int, str]) -> Plan:
+    """``policy``'s priority plan (ByteScheduler's or US-Byte's) with each parameter in the wire dtype ``wire_of``
+    gives it (a DeFT plan's choice, ``wire_by_param``): the solver sizes its items in the narrowest dtype used, and
+    an item whose parameters differ sends float32. Without a narrowed parameter, the solver's float32 plan."""
+    dtype = _narrowest(wire_of)
+    plan = PRIORITY_SOLVERS[policy](profile, wire_dtype=dtype)
+    if dtype == WIRE_FULL:
+        return plan
+    items = [dataclasses.replace(item, wire_dtype=_wire_of_slices(item.slices, wire_of)) for item in plan.items]
+    return finish(profile, plan.policy, items, dict(plan.options), dict(plan.metadata))
