@@ -68,27 +68,44 @@ def shapes_beside_ddp(rank: int, world_size: int, policy: str, pattern: str, ste
     """Batches whose size differs across ranks or shrinks at the end: ``wfbp``/``bytescheduler`` against torch DDP
     (updates deferred to the next forward compared with DDP's previous step), ``deft`` (delays) against the eager
     reference of its plan, which averages the ranks' gradients as DDP does. After ``flush`` everything against
-    the last step."""
+    the last step. ``deft`` on an Inductor compiler also measures its bound (tests/bounds.py, ``compiled``): a second
+    reference of the plan with its model compiled by ``torch.compile`` (Inductor, Dropout from ATen's generator),
+    against the eager one, on the same batch sizes and Dropout seeds, per step and after ``flush``."""
     batches = _batches(rank, steps, pattern)
     loss_fn, (ref_model, ref_optimizer), (deft_model, deft_optimizer), step = _case_step(
         rank, world_size, policy, compiler, batches, preserver=PreserverConfig(enabled=False))
-    report = []
+    report, compiled_report = [], []
     if policy.startswith("deft"):
-        reference = None
+        sides = [(ref_model, ref_optimizer)]
+        if step.config.compiler != "aten":
+            from default_route_workers import _draw_dropout_like_eager
+
+            _draw_dropout_like_eager()
+            compiled_model = copy.deepcopy(ref_model)
+            sides.append((compiled_model, CASES[CASE][1](compiled_model)))
+            compiled_model.compile()  # in place: the same parameter names
+        references = []
         for t, (inputs, targets) in enumerate(batches):
             torch.manual_seed(100 * rank + t)
             step(inputs, targets)
             pending = len(step.pending)
-            if reference is None:
-                reference = PlanReference(ref_model, ref_optimizer, loss_fn, plan_schedule_by_name(step), world_size,
-                                          local=step.config.delayed_update == "local",
-                                          compensated=step.config.delayed_update == "compensated")
-            torch.manual_seed(100 * rank + t)
-            reference.step(inputs, targets)
-            report.append({**_compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer)),
+            if not references:  # the plan exists once the first step ran
+                references = [PlanReference(model, optimizer, loss_fn, plan_schedule_by_name(step), world_size,
+                                            local=step.config.delayed_update == "local",
+                                            compensated=step.config.delayed_update == "compensated")
+                              for model, optimizer in sides]
+            for reference in references:
+                torch.manual_seed(100 * rank + t)
+                reference.step(inputs, targets)
+            eager = _named_state(ref_model, ref_optimizer)
+            report.append({**_compare(_named_state(deft_model, deft_optimizer), eager),
                            "step": t, "pending": pending, "traces": step.trace_count})
+            compiled_report += [{**_compare(_named_state(*side), eager), "step": t} for side in sides[1:]]
         step.flush()
-        reference.flush()
+        for reference in references:
+            reference.flush()
+        compiled_report += [{**_compare(_named_state(*side), _named_state(ref_model, ref_optimizer)), "step": "flush"}
+                            for side in sides[1:]]
     else:
         ddp = DistributedDataParallel(ref_model)
         for t, (inputs, targets) in enumerate(batches):
@@ -97,7 +114,7 @@ def shapes_beside_ddp(rank: int, world_size: int, policy: str, pattern: str, ste
             report.append({**entry, "step": t, "pending": len(deferred), "traces": step.trace_count})
         step.flush()
     final = _compare(_named_state(deft_model, deft_optimizer), _named_state(ref_model, ref_optimizer))
-    return {"steps": report, "final": final, "compiler": step.compiler,
+    return {"steps": report, "final": final, "compiled": compiled_report, "compiler": step.compiler,
             "params": {n: p.detach().clone() for n, p in deft_model.named_parameters()},
             "delayed": sum(1 for item in step.plan.items if item.delay) if step.plan is not None else None}
 

@@ -16,6 +16,7 @@ from bad_input_workers import (
     shapes_beside_ddp,
     trainer_refusals,
 )
+from bounds import check_within_drift, worst
 from deft_compile.tools.launcher import run_local_workers
 from workers import check_entry
 
@@ -41,16 +42,23 @@ def test_batch_sizes_that_differ_train_as_ddp(policy, compiler, pattern):
     """``uneven``: rank 1's batch shrinks to 6 at step 3 (rank 1 alone retraces, with delayed gradients pending
     under ``deft``) and grows back at step 5; ``last``: every rank's last batch is smaller. DDP averages the ranks'
     mean gradients whatever their batch sizes; so does the step: DDP's numbers (``deft``: the eager reference of its
-    delays, which averages as DDP does), bit-identical on aten, 1e-6 relative through Inductor."""
+    delays, which averages as DDP does), bit-identical on aten; through Inductor within ``DRIFT_MULTIPLE`` times the
+    yardstick measured in the same launch, the reference with its model compiled by ``torch.compile`` against the
+    eager one on the same batch sizes (tests/bounds.py)."""
     # through Inductor the rank that retraces compiles new regions while the other waits in a collective
     values = _values(_run(shapes_beside_ddp, (policy, pattern, STEPS, compiler), timeout_s=420,
                           collective_timeout_s=10 if compiler == "aten" else 300))
     exact = compiler == "aten"
     for rank, value in enumerate(values):
         sizes = batch_sizes(rank, STEPS, pattern)
-        for entry in value["steps"]:
-            check_entry(entry, exact, f"{policy}/{compiler}/{pattern} rank {rank} step {entry['step']}")
-        check_entry(value["final"], exact, f"{policy}/{compiler}/{pattern} rank {rank} after flush")
+        where = f"{policy}/{compiler}/{pattern} rank {rank}"
+        if exact:
+            for entry in value["steps"]:
+                check_entry(entry, True, f"{where} step {entry['step']}")
+            check_entry(value["final"], True, f"{where} after flush")
+        else:
+            assert len(value["compiled"]) == STEPS + 1, value["compiled"]
+            check_within_drift(value["steps"] + [value["final"]], worst(value["compiled"]), where)
         if compiler == "inductor":
             assert value["compiler"] == "inductor"
         if policy == "deft":
