@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 PROBE = Path(__file__).with_name("isa_cache_probe.py")

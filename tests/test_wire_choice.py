@@ -1,5 +1,5 @@
 """The deft solver's wire dtype per bucket, chosen by the time each bucket saves and its measured price
-(``planner.wire``, ``solvers.deft``), and the prices themselves (``preserver.wire_pricing``). Pure Python: the
+(``planner.wire``, ``solvers.deft``), and the prices themselves (``preserver.wire_pricing``), in one process: the
 2-process runs that measure the prices and train with the chosen wire are in tests/test_wire_precision.py."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from deft_compile.planner.plan import WIRE_FULL, LinkCost, ParamProfile, Profile
 from deft_compile.planner.solvers import solve
@@ -97,7 +98,7 @@ def test_delays_are_chosen_on_the_narrowed_buckets():
 
 
 # -- the prices ------------------------------------------------------------------------------------------------
-def _measured(gradients: dict[str, "torch.Tensor"], world_size: int = 2, dtypes=("bfloat16", "float16")):
+def _measured(gradients: dict[str, torch.Tensor], world_size: int = 2, dtypes=("bfloat16", "float16")):
     """Rank sums of ``cast_error_norms`` with every rank holding ``gradients``, priced on a 10 ms compute step."""
     from deft_compile.preserver.wire_error import cast_error_norms
     from deft_compile.preserver.wire_pricing import wire_prices, wire_shares
@@ -110,8 +111,6 @@ def test_rounding_prices_follow_each_dtype_s_unit_round_off():
     """Gradients in float16's normal range: each dtype's price is a small share of the compute step, float16's
     (11 significant bits) under bfloat16's (8), and each within the bound of the dtype's round-off (the cast's
     u per rank plus the all-reduce's own (W - 1) u, times the parameter's share)."""
-    import torch
-
     from deft_compile.preserver.wire_pricing import UNIT_ROUND_OFF
 
     generator = torch.Generator().manual_seed(0)
@@ -127,8 +126,6 @@ def test_rounding_prices_follow_each_dtype_s_unit_round_off():
 
 
 def test_gradients_below_float16_s_range_price_float16_at_their_whole_share_and_bfloat16_wins():
-    import torch
-
     generator = torch.Generator().manual_seed(0)
     tiny = {"a": 1e-9 * torch.randn(10_000, generator=generator)}  # below 2**-24 once divided by the world size
     prices = _measured(tiny)
