@@ -566,3 +566,17 @@ def test_plain_delays_run_only_after_a_paired_replay_finds_them_harmless(lr, tol
         assert report["overheads"]["attribution_seconds"] > 0, "the replay's copy and arms are counted"
     assert results[0]["history"] == results[1]["history"]
     assert results[0]["settled_why"] == results[1]["settled_why"]
+
+
+def test_a_proposal_must_still_gain_at_twice_its_price():
+    """The plan GPT-2 mini's float32 run adopted (benchmarks/results/tta/tta_gpt2_mini_scaled_cr2_wire.json.gz,
+    ``deft-float32``): 159 ms priced at 64.8 ms of a 164 ms compute step against 323 ms synchronous gains at its
+    price, loses at twice it, and ended 3.3 % above DDP's final loss; compensated delays priced at a few percent
+    of the step (GPT-2 tiny: 19.1 ms, price 0.675 ms, compute 12 ms, against 28.1 ms) still gain."""
+    from deft_compile.preserver.verdict import survives_doubt
+
+    assert priced_step_ms(159.0, 64.8, 164.0) < 323.0
+    assert survives_doubt(159.0, 64.8, 164.0, 323.0, 1.0) and not survives_doubt(159.0, 64.8, 164.0, 323.0, 2.0)
+    assert survives_doubt(19.1, 0.675, 12.0, 28.1, 2.0)
+    with pytest.raises(ValueError, match="price_doubt"):
+        PreserverConfig(price_doubt=0.5)

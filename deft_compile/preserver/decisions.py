@@ -125,6 +125,11 @@ class PreserverConfig:
             measured step, priced, exceeds the measured synchronous step by this share of it. 5 % because prices
             are medians of noisy measurements and a switch costs a flush, new graphs and a perturbation of
             training.
+        price_doubt: trade mode: a proposal must still gain (priced, predicted) with its price multiplied by this:
+            the first-order price underestimates large losses (momentum and Adam carry a stale error on). 2 because
+            a plan priced at 39.5 % of each step's progress, proposed at κ = 1 (GPT-2 mini, AdamW, CR 2), was
+            re-priced at 62.6 % two hundred steps later and ended 3.3 % above DDP's final validation loss; at
+            twice its price it would not have run, while compensated delays priced at a few percent still do.
         stable_after: trade mode: consecutive measurements that leave a running plan with delays as it is
             before that decision is final and probing stops (the loss rules and the closed loop's re-check stay
             on). 3, the window a price is a median of.
@@ -173,6 +178,7 @@ class PreserverConfig:
     probe_backoff: int = 8
     probe_budget: float = 0.005
     trade_margin: float = 0.05
+    price_doubt: float = 2.0
     stable_after: int = 3
     switch_horizon: int = 200
     admission_steps: int = 20
@@ -200,6 +206,8 @@ class PreserverConfig:
             raise ValueError("attribution_budget must be >= 0 (or None: no limit)")
         if self.staleness_price < 0 or self.probe_budget < 0 or self.probe_backoff < 1 or self.trade_margin < 0:
             raise ValueError("staleness_price and probe_budget must be >= 0 and probe_backoff >= 1")
+        if self.price_doubt < 1:
+            raise ValueError(f"price_doubt must be at least 1 (a proposal's price, multiplied); got {self.price_doubt}")
         if self.stable_after < 1 or self.switch_horizon < 1 or self.admission_steps < 2:
             raise ValueError("stable_after and switch_horizon must be at least 1, admission_steps at least 2")
         if self.admission_tolerance < 0:

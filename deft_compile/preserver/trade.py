@@ -30,7 +30,7 @@ from typing import Any, Callable
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
 from deft_compile.preserver.pricing import compute_ms, plan_price_ms
-from deft_compile.preserver.verdict import admits_plain, keeps_delays, switch_cost_ms, switch_pays
+from deft_compile.preserver.verdict import admits_plain, keeps_delays, survives_doubt, switch_cost_ms, switch_pays
 
 log = logging.getLogger("deft_compile")
 
@@ -185,6 +185,13 @@ class Trader:
                                  gain_ms * scale)
         metrics = self._metrics(prices, sync_ms, plan_ms, price_ms, gain_ms, switch_cost_ms=cost_ms,
                                 clock_scale=scale)
+        if not survives_doubt(plan_ms, price_ms, compute, sync_ms, self.config.price_doubt):
+            doubted_ms = priced_step_ms(plan_ms, self.config.price_doubt * price_ms, compute)
+            log.info("Preserver at step %d: delays would lose at %g times their price (%s; at that price %.3g ms per "
+                     "synchronous step against %.3g ms synchronous): the plan stays synchronous", step_count,
+                     self.config.price_doubt, priced_step_text(plan_ms, price_ms, compute, "predicted"), doubted_ms,
+                     sync_ms)
+            return None
         if gain_ms < self.config.trade_margin * compute or not switch_pays(gain_ms * scale,
                                                                            self.config.switch_horizon, cost_ms):
             log.info("Preserver at step %d: delays would gain %.3g ms per step (synchronous %.3g ms - priced step: %s; "

@@ -76,3 +76,12 @@ class Stability:
     @property
     def stable(self) -> bool:
         return self.confirmations >= self.after
+
+
+def survives_doubt(plan_ms: float, price_ms: float, compute_ms: float, synchronous_ms: float, doubt: float) -> bool:
+    """Whether a proposed plan with staleness is still faster than the synchronous plan with its price multiplied
+    by ``doubt`` (``PreserverConfig.price_doubt``): the first-order price underestimates large losses, and a plan
+    whose gain depends on the price being exact is not proposed."""
+    from deft_compile.planner.solvers.deft import priced_step_ms
+
+    return priced_step_ms(plan_ms, doubt * price_ms, compute_ms) < synchronous_ms

@@ -169,10 +169,11 @@ class StepPlanning:
         return profile
 
     def narrows_by_price(self) -> bool:
-        """Whether the step chooses each bucket's wire dtype by measured price: policy ``deft`` planning on the
-        profile it measured, with a 16-bit dtype allowed (``DeftConfig.wire_dtypes``) and no fixed
-        ``wire_dtype`` asked for."""
-        return (self.policy == "deft" and not self._profile_given and "wire_dtype" not in self.config.plan_options
+        """Whether the step chooses each bucket's wire dtype by measured price: a policy whose solver does
+        (``PolicyRuntime.chooses_wire``: ``deft``) planning on the profile it measured, with a 16-bit dtype allowed
+        (``DeftConfig.wire_dtypes``) and no fixed ``wire_dtype`` asked for."""
+        return (self.policy_runtime.chooses_wire and not self._profile_given
+                and "wire_dtype" not in self.config.plan_options
                 and any(dtype != WIRE_FULL for dtype in self.config.wire_dtypes))
 
     def _measure_wire(self, captured: CapturedStep, args: tuple, kwargs: dict) -> dict[str, dict[str, float]] | None:

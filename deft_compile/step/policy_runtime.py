@@ -54,6 +54,8 @@ class PolicyRuntime:
         uses_buckets: the solver takes DDP's bucket sizes (``first_bucket_bytes``,
             ``bucket_cap_bytes`` from ``DeftConfig``).
         watched_by_preserver: the Preserver watches this policy's delays and periods.
+        chooses_wire: the solver chooses each bucket's wire dtype from measured prices (``wire_prices``), which
+            the first call measures where a 16-bit dtype is allowed and no fixed ``wire_dtype`` is asked for.
         picks_groups: ``step_group`` answers a group of the policy's own every step (DS-Sync): the step's
             buffers are broadcast within it, so the step opens no buffer group of its own.
         last_stats: per-step statistics the schedule pass emitted (``"stats:<item>"``
@@ -63,6 +65,7 @@ class PolicyRuntime:
     needs_profile: bool = True
     uses_buckets: bool = False
     watched_by_preserver: bool = False
+    chooses_wire: bool = False
     picks_groups: bool = False
 
     def __init__(self) -> None:
@@ -101,6 +104,7 @@ class DeftRuntime(PolicyRuntime):
 
     uses_buckets = True
     watched_by_preserver = True
+    chooses_wire = True
 
     def solver_defaults(self, config: Any) -> dict[str, Any]:
         # Gradient accumulation already communicates once per N micro-batches; an update period on top

@@ -273,10 +273,9 @@ def solve_deft(
         suffix_candidates: how many suffix starts to try.
         tie_tolerance: relative time difference treated as a tie.
         wire_dtype: the dtype buckets of float32 gradients cross the link in.
-        wire_prices: 16-bit dtype -> parameter name -> ms per step its rounding
-            costs in convergence (the Preserver's measurement,
-            :mod:`deft_compile.preserver.wire_pricing`): the solver chooses each
-            bucket's wire dtype (``planner.wire``). Not with ``wire_dtype``.
+        wire_prices: 16-bit dtype -> parameter name -> ms per step its rounding costs
+            (the Preserver's, :mod:`deft_compile.preserver.wire_pricing`): the solver
+            chooses each bucket's wire dtype (``planner.wire``). Not with ``wire_dtype``.
         keep_float32: parameter names (``fnmatch`` patterns) whose buckets
             never narrow under ``wire_prices``.
     """
@@ -287,11 +286,7 @@ def solve_deft(
                        keep_synchronous=keep_synchronous, links=links, units=units,
                        suffix_candidates=suffix_candidates, tie_tolerance=tie_tolerance, wire_dtype=wire_dtype,
                        wire_prices=wire_prices, keep_float32=keep_float32)
-    if max_staleness not in (0, 1):
-        raise ValueError("max_staleness must be 0 or 1 (delays are at most one step)")
-    if wire_prices and wire_dtype != WIRE_FULL:
-        raise ValueError(f"wire_dtype={wire_dtype!r} sends every bucket in one dtype; wire_prices choose per bucket: "
-                         "give one or the other")
+    _check_options(max_staleness, wire_dtype, wire_prices)
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
     link_ids = list(range(len(profile.links))) if links is None else sorted(set(links))
     synchronous, wire_metadata = _synchronous_items(profile, buckets, wire_dtype, options, link_ids)
@@ -333,13 +328,8 @@ def solve_deft(
     best_cost = min(c.cost_ms for c in candidates)
     best = min((c for c in candidates if c.cost_ms <= best_cost * (1 + tie_tolerance)),
                key=lambda c: (c.delayed_bytes, c.periodic, c.cost_ms, -c.suffix))
-    metadata = {"coverage_rate": coverage, "buckets": n, "links_used": link_ids,
-                "candidates": len(candidates), "suffix": best.suffix,
-                "period": int(best.period.max()), "delayed_buckets": int((best.kind != _SYNC).sum()),
-                "forward_knapsack": int((best.kind == _FWD).sum()),
-                "backward_knapsack": int((best.kind == _BWD_NEXT).sum()),
-                "periodic_buckets": int((best.period > 1).sum()), "kept_synchronous": int(pinned.sum()),
-                "staleness_price_ms": best.price_ms, **wire_metadata}
+    metadata = {"coverage_rate": coverage, "buckets": n, "links_used": link_ids, "candidates": len(candidates),
+                **_chosen_metadata(best), "kept_synchronous": int(pinned.sum()), **wire_metadata}
     wfbp_ms = _wfbp_ms(profile, synchronous, evaluator if same_as_wfbp else None)
     items = _items(share_items, best, [item.wire_dtype for item in synchronous])
     plan = finish(profile, "deft", items, options, metadata)
@@ -372,6 +362,21 @@ def _options(*, first_bucket_bytes, bucket_cap_bytes, max_staleness, allow_perio
     if keep_float32:
         options["keep_float32"] = sorted({str(name) for name in keep_float32})
     return options
+
+
+def _check_options(max_staleness: int, wire_dtype: str, wire_prices: dict | None) -> None:
+    if max_staleness not in (0, 1):
+        raise ValueError("max_staleness must be 0 or 1 (delays are at most one step)")
+    if wire_prices and wire_dtype != WIRE_FULL:
+        raise ValueError(f"wire_dtype={wire_dtype!r} sends every bucket in one dtype; wire_prices choose per bucket: "
+                         "give one or the other")
+
+
+def _chosen_metadata(best: _Candidate) -> dict[str, Any]:
+    """What the chosen candidate delays and makes periodic, for the plan's metadata."""
+    return {"suffix": best.suffix, "period": int(best.period.max()), "delayed_buckets": int((best.kind != _SYNC).sum()),
+            "forward_knapsack": int((best.kind == _FWD).sum()), "backward_knapsack": int((best.kind == _BWD_NEXT).sum()),
+            "periodic_buckets": int((best.period > 1).sum()), "staleness_price_ms": best.price_ms}
 
 
 def _synchronous_items(profile: Profile, buckets: list[list[int]], wire_dtype: str, options: dict[str, Any],
