@@ -44,13 +44,20 @@ for _folder in (_ROOT / "benchmarks", _ROOT / "examples"):
     if str(_folder) not in sys.path:
         sys.path.append(str(_folder))
 
+# one folder per run for tests/workers.synthetic_profile's profiles (the xdist workers and their gloo workers inherit
+# it): a case's profile is captured once per run, not once per rank and launch
+if not os.environ.get("DEFT_TEST_PROFILE_CACHE"):
+    import tempfile
+
+    os.environ["DEFT_TEST_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="deft-test-profiles-")
+
 if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
     from deft_compile.tools import launcher
 
     launcher.use_forkserver([
         "workers", "loop_workers", "inductor_workers", "default_route_workers", "backend_workers", "integration_workers",
         "trainer_workers", "hf_models", "models", "shape_workers", "shapes", "transformers", "deft_compile.integrations.transformers", "deft_compile.tools.bench",
-        "deft_compile.tools.demo", "tta",
+        "deft_compile.tools.demo", "tta", "capture_warmup",
     ])
 
 

@@ -30,8 +30,9 @@ from deft_compile.planner.plan import CommItem, LinkCost, ParamProfile, ParamSli
 from deft_compile.planner.simulator import simulate
 from deft_compile.planner.solvers import solve
 from deft_compile.tools.launcher import run_local_workers
-from wire_workers import (delayed_wire_run, plain_all_reduce, priority_wire_beside_ddp, register_hook_by_name,
-                          wire_beside_ddp)
+from wire_workers import (deft_chooses_wire, delayed_wire_run, plain_all_reduce, priority_wire_beside_ddp,
+                          register_hook_by_name, wire_beside_ddp)
+from workers import check_entry
 
 WIRES = ("float16", "bfloat16")
 STEPS = 6
@@ -226,3 +227,47 @@ def test_wfbp_with_a_16_bit_wire_on_inductor_is_ddp_with_the_hook_to_round_off(w
         drift = max(entry["sides"][1]["max_rel"] for entry in report["steps"])  # torch.compile with the hook
         assert worst(report["steps"]) > 0, "Inductor gave the aten numbers exactly: the compiled route did not run"
         check_within_drift(report["steps"], drift, f"{wire} rank {rank}")
+
+
+# -- deft's choice by price (the solver's rules: tests/test_wire_choice.py) --------------------------------------
+SMALL_BUCKETS = {"first_bucket_mb": 0.0002, "bucket_cap_mb": 0.004}
+
+
+def test_deft_prices_each_16_bit_wire_on_its_first_call():
+    """The defaults measure both 16-bit dtypes on the first call's gradients: every parameter priced, the same
+    prices on every rank, float16 (11 significant bits) cheaper than bfloat16 (8) for gradients in its range; a
+    narrowed bucket takes the cheaper dtype, and the plan table shows each item's wire."""
+    results = [r.value for r in run_local_workers(deft_chooses_wire, 2, ("mlp_dropout_sgd", 4, SMALL_BUCKETS),
+                                                  timeout_s=300)]
+    prices = results[0]["prices"]
+    assert prices == results[1]["prices"], "every rank solves with the same prices"
+    assert set(prices) == {"bfloat16", "float16"}
+    for dtype in prices:
+        assert set(prices[dtype]) == set(results[0]["names"]) and min(prices[dtype].values()) >= 0
+    assert 0 < sum(prices["float16"].values()) < sum(prices["bfloat16"].values())
+    for result in results:
+        assert set(result["wire"]) <= {"float32", "float16"}, result["table"]
+        assert all(wire in result["table"] for wire in result["wire"])
+        assert result["wire_seconds"] > 0
+
+
+def test_gradients_below_float16_s_range_never_cross_in_float16():
+    """A loss scaled by 1e-9 puts every gradient below float16's smallest number once divided by the world size:
+    float16 is priced at (about) each parameter's whole share of progress, a hundred times bfloat16's round-off,
+    and no bucket crosses in float16."""
+    for result in (r.value for r in run_local_workers(deft_chooses_wire, 2, ("mlp_dropout_sgd", 4, SMALL_BUCKETS,
+                                                                               1e-9), timeout_s=300)):
+        prices = result["prices"]
+        assert sum(prices["float16"].values()) > 100 * sum(prices["bfloat16"].values()), prices
+        assert "float16" not in result["wire"], result["table"]
+
+
+def test_a_float32_wire_is_one_setting_away():
+    """``DeftConfig(wire_dtypes=("float32",))``: nothing measured, every item float32, DDP's numbers bit for bit on
+    the aten route (the synchronous start)."""
+    config = {**SMALL_BUCKETS, "wire_dtypes": ("float32",)}
+    for result in (r.value for r in run_local_workers(deft_chooses_wire, 2, ("mlp_dropout_sgd", 4, config),
+                                                      timeout_s=300)):
+        assert result["prices"] is None and set(result["wire"]) == {"float32"}
+        for entry in result["steps"]:
+            check_entry(entry, True, f"step {entry['step']}")

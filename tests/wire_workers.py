@@ -173,3 +173,37 @@ def delayed_wire_run(rank: int, world_size: int, case: str, steps: int, wire_dty
             "wire": sorted({item.wire_dtype for item in step.plan.items}),
             "finite": all(bool(torch.isfinite(p).all()) for p in params),
             "sums": [float(p.double().sum()) for p in params], "pending_after_flush": step.pending}
+
+
+def deft_chooses_wire(rank: int, world_size: int, case: str, steps: int, config: dict | None = None,
+                      gradient_scale: float = 1.0, fp16_hook: bool = False) -> dict:
+    """``policy="deft"`` on ``case``'s model with ``DeftConfig(**config)``, profiled by the step itself (the aten
+    route unless ``config`` says otherwise), beside DDP (with ``fp16_compress_hook`` if ``fp16_hook``) on the same
+    batches: the measured wire prices, the last plan's wire dtypes and delays, its table, and per step the
+    comparison with DDP (``workers._compare``). ``gradient_scale`` multiplies the loss (1e-9 puts the gradients
+    below float16's range)."""
+    make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, _, _ = _ddp_pair(case)
+    if fp16_hook:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    model = copy.deepcopy(base)
+    optimizer = make_optimizer(model)
+    scaled = (lambda out, target: loss_fn(out, target) * gradient_scale) if gradient_scale != 1.0 else loss_fn
+    step = deft_compile(model, optimizer, scaled, policy="deft", config=DeftConfig(**(config or {})))
+    data = torch.Generator().manual_seed(1234 + rank)
+    report = []
+    for t in range(steps):
+        inputs, targets = make_batch(data)
+        torch.manual_seed(100 * rank + t)
+        step(inputs, targets)
+        torch.manual_seed(100 * rank + t)
+        ddp_optimizer.zero_grad(set_to_none=True)
+        scaled(ddp(inputs), targets).backward()
+        ddp_optimizer.step()
+        report.append({**_compare(_named_state(model, optimizer), _named_state(ddp_model, ddp_optimizer)), "step": t,
+                       "plan": step.plan.hash()})
+    step.flush()
+    first = step.planning.plan_history[0]
+    return {"prices": step.planning.wire_prices, "wire": [item.wire_dtype for item in step.plan.items],
+            "delays": [item.delay for item in step.plan.items], "table": step.plan.table(step.profile),
+            "steps": report, "first_plan": first, "history": step.planning.plan_history,
+            "wire_seconds": step.planning.wire_seconds, "names": [p.name for p in step.profile.params]}

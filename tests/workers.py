@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
+from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -178,6 +180,30 @@ def compare_with_eager(case: str, steps: int, batches=None, optimizer_override=N
     return report
 
 
+def _profile_cache_file(model, optimizer, loss_fn, batch):
+    """Where ``synthetic_profile`` and ``delaying_profile`` keep the measured-free profile of this model's step for the rest of the session
+    (``DEFT_TEST_PROFILE_CACHE``, a folder tests/conftest.py makes per run; None without it): the file is named by
+    everything the capture's sizes and order depend on (the module tree, each parameter's and buffer's name, shape,
+    dtype and whether it trains, the modes, the optimizer's and loss's types, the batch's shapes and dtypes), so
+    the launches of one case capture it once instead of once per rank and test."""
+    import hashlib
+
+    folder = os.environ.get("DEFT_TEST_PROFILE_CACHE")
+    if not folder:
+        return None
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    key = repr((
+        [(name, type(module).__qualname__, module.training) for name, module in model.named_modules()],
+        [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
+        [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+        type(optimizer).__qualname__, getattr(loss_fn, "__qualname__", repr(loss_fn)),
+        [(tuple(t.shape), str(t.dtype)) for t in tensors],
+    ))
+    return Path(folder) / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
 def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, comm_over_compute: float = 0.9,
                       links: int = 1):
     """A deterministic profile of ``model`` (same on every rank): compute grows with size and
@@ -185,10 +211,18 @@ def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, com
     partition, reorder and delay as they would on a slow network."""
     import dataclasses
 
-    from deft_compile.planner.plan import LinkCost
+    from deft_compile.planner.plan import LinkCost, Profile
     from deft_compile.step.profiler import profile_model
 
-    profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+    cached = _profile_cache_file(model, optimizer, loss_fn, batch)
+    if cached is not None and cached.exists():
+        profile = Profile.from_json(cached.read_text())
+    else:
+        profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+        if cached is not None:  # written whole, then renamed: a concurrent reader sees all of it or nothing
+            partial = cached.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(profile.to_json())
+            partial.replace(cached)
     params = [
         dataclasses.replace(p, forward_ms=0.2 + p.numel * 1e-4, backward_ms=0.4 + p.numel * 2e-4, update_ms=0.01)
         for p in profile.params
@@ -744,9 +778,10 @@ def measured_deft_run(rank: int, world_size: int, case: str, steps: int) -> dict
     (make_optimizer, make_batch, loss_fn, base,
      ref_model, ref_optimizer, deft_model, deft_optimizer) = reference_and_deft(case)
     data = torch.Generator().manual_seed(1234 + rank)
-    # The plan under test is the measured one: no closed-loop trials of other plans.
+    # The plan under test is the measured one: no closed-loop trials of other plans; a float32 wire, so the reference
+    # of its delayed semantics is exact (the 16-bit wire: tests/test_wire_precision.py)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy="deft",
-                        config=DeftConfig(closed_loop=ClosedLoopConfig(enabled=False)))
+                        config=DeftConfig(closed_loop=ClosedLoopConfig(enabled=False), wire_dtypes=("float32",)))
     batches = [make_batch(data) for _ in range(steps)]
     report, _reference = _lockstep_with_reference(
         step, (deft_model, deft_optimizer), (ref_model, ref_optimizer), loss_fn, batches, rank, world_size
@@ -762,10 +797,18 @@ def delaying_profile(model, optimizer, loss_fn, batch, world_size: int = 2):
     3 ms forward and 1 ms backward per parameter, 2.5 ms per all-reduce."""
     import dataclasses
 
-    from deft_compile.planner.plan import LinkCost
+    from deft_compile.planner.plan import LinkCost, Profile
     from deft_compile.step.profiler import profile_model
 
-    profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+    cached = _profile_cache_file(model, optimizer, loss_fn, batch)
+    if cached is not None and cached.exists():
+        profile = Profile.from_json(cached.read_text())
+    else:
+        profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+        if cached is not None:  # written whole, then renamed: a concurrent reader sees all of it or nothing
+            partial = cached.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(profile.to_json())
+            partial.replace(cached)
     params = [dataclasses.replace(p, forward_ms=3.0, backward_ms=1.0, update_ms=0.01) for p in profile.params]
     return dataclasses.replace(profile, params=params, links=[LinkCost("slow", 2.5, 0.0)], world_size=world_size)
 
