@@ -113,9 +113,14 @@ def _mlp_step(dump_dir=None, policy="deft"):
 def test_graph_dumps_describe_the_graph_that_ran(tmp_path):
     step, args, kwargs = _mlp_step(tmp_path)
     step(*args, **kwargs)
-    step(*args, **kwargs)  # second graph: optimizer state exists
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph_00", "graph_01"]
-    for folder in sorted(tmp_path.iterdir()):
+    step(*args, **kwargs)  # the same graph (the optimizer state exists from the first capture)
+    from deft_compile.tools.presets import get_preset
+
+    _, _, _, smaller, smaller_kwargs = get_preset("mlp").make(batch_size=8)
+    step(*smaller, **smaller_kwargs)  # a second graph: another batch size
+    graphs = sorted(p for p in tmp_path.iterdir() if p.name.startswith("graph_"))
+    assert [p.name for p in graphs] == ["graph_00", "graph_01"]
+    for folder in graphs:
         records = json.loads((folder / "passes.json").read_text())
         assert records[0]["pass"] == "captured"
         for record in records:

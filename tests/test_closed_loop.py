@@ -240,7 +240,8 @@ def test_steps_that_ran_a_graph_cold_are_left_out_of_a_plans_time():
 
 def test_the_runtime_marks_steps_that_compile_for_the_closed_loop():
     """One process, Inductor: the first step compiles its regions, the second the updates that read the momentum
-    buffer the first created; both are cold runs, the third compiles nothing and is not."""
+    buffer the first created; both are cold runs, the third compiles nothing and is not. (SGD with dampening: its
+    first update's buffer is not a zero buffer's, so the state is left to that update, ``initialize_state``.)"""
     import torch
     import torch.nn.functional as F
 
@@ -248,7 +249,7 @@ def test_the_runtime_marks_steps_that_compile_for_the_closed_loop():
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), F.mse_loss,
+    step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1), F.mse_loss,
                         config=DeftConfig(compiler="inductor"))
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     counts = []

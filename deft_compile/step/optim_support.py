@@ -18,6 +18,7 @@ AdamW agree with eager to round-off (about 1e-7 relative) rather than bit for bi
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Iterator
 
 import torch
@@ -167,3 +168,53 @@ class _StateDict(dict):
         value: dict = {}
         self[key] = value
         return value
+
+
+#: optimizers whose state ``initialize_state`` creates before the first capture: the Adam family and RMSprop
+#: through torch's own lazy initialisation (``_init_group``, which reads no gradient value), SGD's momentum buffer
+#: as zeros where a zero buffer's first update equals the lazy one (``dampening == 0``: 0·m + g = g exactly)
+_INITIALIZED_BY_INIT_GROUP = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+
+
+def initialize_state(optimizer: torch.optim.Optimizer, trained: list[torch.Tensor]) -> bool:
+    """Create ``optimizer``'s state for the parameters ``trained`` (those the first step gives a gradient) as its
+    first update would, before that update: the step is then captured once with its state as graph inputs,
+    instead of once without state (the traced update creating it) and again from the second call on.
+
+    The state is what the traced first update creates: torch's ``_init_group`` run under the trace's settings
+    (single-tensor, ``capturable`` where the optimizer has it: ``traceable_optimizer``), so a step counter is a
+    0-dim tensor at 0 on the parameter's device and the moments are zeros; the first update then computes what it
+    would from no state. SGD gets zero momentum buffers where ``momentum > 0`` and ``dampening == 0``. Returns
+    False, creating nothing, for any other optimizer or setting (a subclass, Adagrad, whose state exists from its
+    constructor, SGD with dampening), or where some parameter has state already."""
+    kind = type(optimizer)
+    if kind not in (*_INITIALIZED_BY_INIT_GROUP, torch.optim.SGD) or any(optimizer.state.get(p) for p in trained):
+        return False
+    wanted = {id(p) for p in trained}
+    if kind is torch.optim.SGD:
+        if any(group["momentum"] != 0 and group["dampening"] != 0 for group in optimizer.param_groups):
+            return False
+        for group in optimizer.param_groups:
+            if group["momentum"] != 0:
+                for p in group["params"]:
+                    if id(p) in wanted:
+                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return True
+    saved_grads = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
+    saved_groups = [dict(group) for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group.update({key: value for key, value in _TRACE_OVERRIDES.items() if key in group})
+            group["capturable"] = True
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p) if id(p) in wanted else None
+            outputs = len(inspect.signature(optimizer._init_group).parameters) - 1  # every argument after the group
+            with torch.no_grad():
+                optimizer._init_group(group, *([] for _ in range(outputs)))
+    finally:
+        for group, saved in zip(optimizer.param_groups, saved_groups):
+            group.clear()
+            group.update(saved)
+        for p, grad in saved_grads.items():
+            p.grad = grad
+    return True

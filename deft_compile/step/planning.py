@@ -82,6 +82,8 @@ class StepPlanning:
         # is solved with them, so they are saved with the plan
         self.wire_prices: dict[str, dict[str, float]] | None = None
         self.wire_seconds = 0.0  # measuring them (part of ``seconds``)
+        # the first call's gradients in the model's parameter order, where ``before_first_capture`` computed them
+        self._first_gradients: list[torch.Tensor | None] | None = None
         # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
         # communicates), so it stays off there (docs/API.md).
         closed_loop = config.closed_loop.active_for(policy, self._profile_given) and config.accumulation_steps == 1
@@ -168,6 +170,32 @@ class StepPlanning:
         log.info("profiled the step:\n%s", profile.to_json())
         return profile
 
+    def before_first_capture(self, args: tuple, kwargs: dict) -> None:
+        """Called before the step's first capture: where the policy's first call applies every update it
+        computes (``PolicyRuntime.first_call_updates``) and nothing can postpone or skip that update (no gradient
+        accumulation, no loss scaling), create the optimizer's state its first update would create, for the
+        parameters an eager forward and backward of this call gives a gradient (``wire_error.step_gradients``,
+        ``optim_support.initialize_state``): the step is then captured once, not again on its second call. Not
+        where state exists (a resumed run), nor where the eager pass fails (the capture then reports the
+        model's error as it would without it)."""
+        optimizer = self._step.optimizer
+        if (self.plan is not None or any(optimizer.state.values()) or self.config.accumulation_steps != 1
+                or self.loss_scaler is not None
+                or not self.policy_runtime.first_call_updates(self.config, self._profile_given)):
+            return
+        from deft_compile.preserver.wire_error import step_gradients
+        from deft_compile.step.capture import ModelState
+        from deft_compile.step.optim_support import initialize_state
+
+        state = ModelState.of(self._step.model)
+        try:
+            gradients = step_gradients(self._step.model, state.param_names, state.params,
+                                       dict(zip(state.buffer_names, state.buffers)), self._step.loss_fn, args, kwargs)
+        except Exception:  # noqa: BLE001 - the capture that follows names what is wrong with the step
+            return
+        initialize_state(optimizer, [p for p, g in zip(state.params, gradients) if g is not None])
+        self._first_gradients = gradients  # the wire's price reads them too (``_measure_wire``)
+
     def narrows_by_price(self) -> bool:
         """Whether the step chooses each bucket's wire dtype by measured price: a policy whose solver does
         (``PolicyRuntime.chooses_wire``: ``deft``) planning on the profile it measured, with a 16-bit dtype allowed
@@ -178,8 +206,8 @@ class StepPlanning:
 
     def _measure_wire(self, captured: CapturedStep, args: tuple, kwargs: dict) -> dict[str, dict[str, float]] | None:
         """The price of each allowed 16-bit wire dtype per parameter (``preserver.wire_pricing``), from this call's
-        gradients: one eager forward and backward per rank and one all-reduce of three numbers per parameter and
-        dtype. None where the step does not narrow by price."""
+        gradients (``before_first_capture``'s, or one eager forward and backward per rank) and one all-reduce of
+        three numbers per parameter and dtype. None where the step does not narrow by price."""
         if not self.narrows_by_price():
             return None
         from deft_compile.preserver.wire_error import cast_error_norms, metric_weights, step_gradients
@@ -188,8 +216,10 @@ class StepPlanning:
         started = time.perf_counter()
         state = captured.model_state
         dtypes = [dtype for dtype in self.config.wire_dtypes if dtype != WIRE_FULL]
-        gradients = step_gradients(self._step.model, state.param_names, state.params,
-                                   dict(zip(state.buffer_names, state.buffers)), self._step.loss_fn, args, kwargs)
+        gradients, self._first_gradients = self._first_gradients, None
+        if gradients is None:
+            gradients = step_gradients(self._step.model, state.param_names, state.params,
+                                       dict(zip(state.buffer_names, state.buffers)), self._step.loss_fn, args, kwargs)
         by_name = dict(zip(state.param_names, range(len(state.params))))
         names = [param.name for param in self.profile.params if param.name in by_name]
         chosen = [gradients[by_name[name]] for name in names]

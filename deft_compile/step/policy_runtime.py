@@ -78,6 +78,13 @@ class PolicyRuntime:
         """Solver options this policy needs for ``config`` unless the user set them in ``plan_options``."""
         return {}
 
+    def first_call_updates(self, config: Any, profile_given: bool) -> bool:
+        """Whether this policy's first call applies the update of every parameter it computes a gradient for
+        (no update moved into a later call, delayed or periodic): then the optimizer's state can be created
+        before the first capture (``optim_support.initialize_state``) without any parameter holding state
+        earlier than under eager PyTorch."""
+        return False
+
     def step_group(self, step: RunningStep) -> CommGroup | None:
         """The group this step's items communicate over, when it is not the step's own group."""
         return None
@@ -98,6 +105,9 @@ class WfbpRuntime(PolicyRuntime):
     needs_profile = False
     uses_buckets = True
 
+    def first_call_updates(self, config: Any, profile_given: bool) -> bool:
+        return True
+
 
 class DeftRuntime(PolicyRuntime):
     """DeFT: buckets, measured times for the knapsacks, and the Preserver."""
@@ -110,6 +120,13 @@ class DeftRuntime(PolicyRuntime):
         # Gradient accumulation already communicates once per N micro-batches; an update period on top
         # would multiply the staleness for communication that is rarely the bottleneck any more.
         return {"allow_period": False} if config.accumulation_steps > 1 else {}
+
+    def first_call_updates(self, config: Any, profile_given: bool) -> bool:
+        # synchronous plans only, or the Preserver's synchronous start (a measured profile, staleness traded)
+        preserver = config.preserver
+        starts_synchronous = (preserver.enabled and preserver.trade and not profile_given
+                              and preserver.start_synchronous is not False)
+        return config.plan_options.get("max_staleness") == 0 or starts_synchronous
 
 
 class DLCPRuntime(PolicyRuntime):
@@ -157,6 +174,13 @@ class DSSyncRuntime(PolicyRuntime):
         super().__init__()
         self.subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._averaging_group: dist.ProcessGroup | None = None  # this rank's group for this step
+
+    def first_call_updates(self, config: Any, profile_given: bool) -> bool:
+        """Whether this policy's first call applies the update of every parameter it computes a gradient for
+        (no update moved into a later call, delayed or periodic): then the optimizer's state can be created
+        before the first capture (``optim_support.initialize_state``) without any parameter holding state
+        earlier than under eager PyTorch."""
+        return False
 
     def step_group(self, step: RunningStep) -> CommGroup | None:
         if step.process_group is None or step.comm_group is None:

@@ -108,6 +108,8 @@ class CompiledStep:
     @checks_inputs  # the model as captured; a failure on changed inputs names them (step/input_checks.py)
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         runner, planning = self.runner, self.planning
+        if runner.capture_count == 0:
+            planning.before_first_capture(args, kwargs)  # the optimizer's state, before the step is captured
         if not runner.items and (self.comm_group is not None or self.config.accumulation_steps > 1):
             planning.plan_first(args, kwargs)  # its capture stays cached for this call's compile
         if self.comm_group is not None:
