@@ -298,6 +298,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
         if step.pending:
             step.flush()
     identical, max_diff, max_rel = _compare_ddp_wfbp(models)
+    compiled_rel = _compare_ddp_wfbp(models, COMPILED_DDP)[2]  # torch.compile's own difference from DDP's numbers
     measured = _measured_timeline(cfg, compiled, pool[0], rank)
 
     # what a user lives through: from a variant's first call, its warm-up (compiles, planning, closed-loop trials)
@@ -310,7 +311,7 @@ def bench_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
                               "overheads": {n: {k: v for k, v in s.overheads.items() if isinstance(v, (int, float))}
                                             for n, s in compiled.items()},
                               "identical_ddp_wfbp": identical, "max_abs_diff_ddp_wfbp": max_diff,
-                              "max_rel_diff_ddp_wfbp": max_rel,
+                              "max_rel_diff_ddp_wfbp": max_rel, "max_rel_diff_ddp_compiled": compiled_rel,
                               "wfbp_compiler": compiled["wfbp"].compiler if "wfbp" in compiled else None}
     if rank == 0:
         result.update(
@@ -422,16 +423,16 @@ def _agree_samples(names: list[str], world_size: int, samples: dict, spans: dict
     return by_rank, block_wall
 
 
-def _compare_ddp_wfbp(models: dict[str, Any]) -> tuple[bool | None, float | None, float | None]:
-    """(identical, max |difference|, max relative difference) of DDP's and ``wfbp``'s trained parameters (same
+def _compare_ddp_wfbp(models: dict[str, Any], other: str = "wfbp") -> tuple[bool | None, float | None, float | None]:
+    """(identical, max |difference|, max relative difference) of DDP's and ``other``'s trained parameters (same
     batches, same number of steps), agreed across ranks; the relative difference of a tensor is its largest
     |difference| over DDP's largest |value|. (None, None, None) unless both ran."""
     import torch
     import torch.distributed as dist
 
-    if "ddp" not in models or "wfbp" not in models:
+    if "ddp" not in models or other not in models:
         return None, None, None
-    pairs = [(a.detach(), b.detach()) for a, b in zip(models["ddp"].parameters(), models["wfbp"].parameters())
+    pairs = [(a.detach(), b.detach()) for a, b in zip(models["ddp"].parameters(), models[other].parameters())
              if a.numel()]
     same = all(torch.equal(a, b) for a, b in pairs)
     differences = [float((a - b).abs().max()) for a, b in pairs]
@@ -765,6 +766,7 @@ def run_config(model: str, bandwidth: str | None, *, policies: Sequence[str], wo
         "retraced": value["retraced"],
         "identical_ddp_wfbp": value["identical_ddp_wfbp"], "max_abs_diff_ddp_wfbp": value["max_abs_diff_ddp_wfbp"],
         "max_rel_diff_ddp_wfbp": value.get("max_rel_diff_ddp_wfbp"), "wfbp_compiler": value.get("wfbp_compiler"),
+        "max_rel_diff_ddp_compiled": value.get("max_rel_diff_ddp_compiled"),
         "rows": rows, "samples_ms": value["samples_ms"], "samples_by_rank_ms": value.get("samples_by_rank_ms"),
         "block_wall_ms": value.get("block_wall_ms"),
         "schedule_ms": value.get("schedule_ms"),
