@@ -194,7 +194,8 @@ class StepPlanning:
         except Exception:  # noqa: BLE001 - the capture that follows names what is wrong with the step
             return
         initialize_state(optimizer, [p for p, g in zip(state.params, gradients) if g is not None])
-        self._first_gradients = gradients  # the wire's price reads them too (``_measure_wire``)
+        if self.groups.comm_group is not None and self.narrows_by_price():
+            self._first_gradients = gradients  # the wire's price reads them too (``_measure_wire``)
 
     def narrows_by_price(self) -> bool:
         """Whether the step chooses each bucket's wire dtype by measured price: a policy whose solver does
