@@ -547,7 +547,9 @@ def test_a_summary_row_is_checked_through_its_links(tmp_path: Path, monkeypatch)
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (tmp_path / "docs").mkdir()
-    made = prov.provenance(command="python benchmarks/x.py --fast")
+    # a fixed date and commit: the edited numbers below must not turn up in the Measured: line by the clock's chance
+    made = {**prov.provenance(command="python benchmarks/x.py --fast"), "date": "2026-01-01T00:00:00Z",
+            "commit": "0" * 40}
     record = {"provenance": made, "rows": {"a": {"step_ms": 45.25, "note": "1.5 s of compile"}}}
     (results / "x.json").write_text(json.dumps(record))
     undated = {"provenance": {**made, "date": None}, "rows": {}}
