@@ -179,7 +179,7 @@ def deft_chooses_wire(rank: int, world_size: int, case: str, steps: int, config:
                       gradient_scale: float = 1.0, fp16_hook: bool = False) -> dict:
     """``policy="deft"`` on ``case``'s model with ``DeftConfig(**config)``, profiled by the step itself (the aten
     route unless ``config`` says otherwise), beside DDP (with ``fp16_compress_hook`` if ``fp16_hook``) on the same
-    batches: the measured wire prices, the last plan's wire dtypes and delays, its table, and per step the
+    batches: the measured wire prices, the last plan's wire dtypes, its table, and per step the
     comparison with DDP (``workers._compare``). ``gradient_scale`` multiplies the loss (1e-9 puts the gradients
     below float16's range)."""
     make_optimizer, make_batch, loss_fn, base, ddp_model, ddp, ddp_optimizer, _, _ = _ddp_pair(case)
@@ -193,17 +193,10 @@ def deft_chooses_wire(rank: int, world_size: int, case: str, steps: int, config:
     report = []
     for t in range(steps):
         inputs, targets = make_batch(data)
-        torch.manual_seed(100 * rank + t)
-        step(inputs, targets)
-        torch.manual_seed(100 * rank + t)
-        ddp_optimizer.zero_grad(set_to_none=True)
-        scaled(ddp(inputs), targets).backward()
-        ddp_optimizer.step()
-        report.append({**_compare(_named_state(model, optimizer), _named_state(ddp_model, ddp_optimizer)), "step": t,
-                       "plan": step.plan.hash()})
+        entry, _ = _step_beside_ddp(step, rank, t, inputs, targets, scaled, ddp, ddp_model, ddp_optimizer, model,
+                                    optimizer)
+        report.append({**entry, "step": t})
     step.flush()
-    first = step.planning.plan_history[0]
     return {"prices": step.planning.wire_prices, "wire": [item.wire_dtype for item in step.plan.items],
-            "delays": [item.delay for item in step.plan.items], "table": step.plan.table(step.profile),
-            "steps": report, "first_plan": first, "history": step.planning.plan_history,
+            "table": step.plan.table(step.profile), "steps": report,
             "wire_seconds": step.planning.wire_seconds, "names": [p.name for p in step.profile.params]}

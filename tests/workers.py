@@ -204,6 +204,23 @@ def _profile_cache_file(model, optimizer, loss_fn, batch):
     return Path(folder) / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
+def _sizes_profile(model, optimizer, loss_fn, batch):
+    """``profile_model(..., measure=False)`` of this step, read from the session's cache where a launch of the same
+    model captured it already (``_profile_cache_file``), else captured and written there."""
+    from deft_compile.planner.plan import Profile
+    from deft_compile.step.profiler import profile_model
+
+    cached = _profile_cache_file(model, optimizer, loss_fn, batch)
+    if cached is not None and cached.exists():
+        return Profile.from_json(cached.read_text())
+    profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+    if cached is not None:  # written whole, then renamed: a concurrent reader sees all of it or nothing
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(profile.to_json())
+        partial.replace(cached)
+    return profile
+
+
 def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, comm_over_compute: float = 0.9,
                       links: int = 1):
     """A deterministic profile of ``model`` (same on every rank): compute grows with size and
@@ -211,18 +228,9 @@ def synthetic_profile(model, optimizer, loss_fn, batch, world_size: int = 2, com
     partition, reorder and delay as they would on a slow network."""
     import dataclasses
 
-    from deft_compile.planner.plan import LinkCost, Profile
-    from deft_compile.step.profiler import profile_model
+    from deft_compile.planner.plan import LinkCost
 
-    cached = _profile_cache_file(model, optimizer, loss_fn, batch)
-    if cached is not None and cached.exists():
-        profile = Profile.from_json(cached.read_text())
-    else:
-        profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
-        if cached is not None:  # written whole, then renamed: a concurrent reader sees all of it or nothing
-            partial = cached.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(profile.to_json())
-            partial.replace(cached)
+    profile = _sizes_profile(model, optimizer, loss_fn, batch)
     params = [
         dataclasses.replace(p, forward_ms=0.2 + p.numel * 1e-4, backward_ms=0.4 + p.numel * 2e-4, update_ms=0.01)
         for p in profile.params
@@ -797,18 +805,9 @@ def delaying_profile(model, optimizer, loss_fn, batch, world_size: int = 2):
     3 ms forward and 1 ms backward per parameter, 2.5 ms per all-reduce."""
     import dataclasses
 
-    from deft_compile.planner.plan import LinkCost, Profile
-    from deft_compile.step.profiler import profile_model
+    from deft_compile.planner.plan import LinkCost
 
-    cached = _profile_cache_file(model, optimizer, loss_fn, batch)
-    if cached is not None and cached.exists():
-        profile = Profile.from_json(cached.read_text())
-    else:
-        profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
-        if cached is not None:  # written whole, then renamed: a concurrent reader sees all of it or nothing
-            partial = cached.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(profile.to_json())
-            partial.replace(cached)
+    profile = _sizes_profile(model, optimizer, loss_fn, batch)
     params = [dataclasses.replace(p, forward_ms=3.0, backward_ms=1.0, update_ms=0.01) for p in profile.params]
     return dataclasses.replace(profile, params=params, links=[LinkCost("slow", 2.5, 0.0)], world_size=world_size)
 

@@ -146,12 +146,9 @@ class Trader:
         return event
 
     def _step_ms(self, synchronous) -> float:
-        """The running plan's step time the probes' budget is a share of: measured by the closed loop where it has
-        measured that plan, else predicted."""
-        times, plan = self._times(), self.step.plan
-        if times is not None and plan.hash() in times.plan_ms:
-            return times.plan_ms[plan.hash()]
-        return float(plan.predicted_iteration_ms or synchronous.predicted_iteration_ms or 0.0)
+        """The running plan's step time the probes' budget is a share of (``running_step_ms``), the synchronous
+        plan's prediction where the running plan has none."""
+        return self.running_step_ms() or float(synchronous.predicted_iteration_ms or 0.0)
 
     def _metrics(self, prices, synchronous_ms: float, plan_ms: float, price_ms: float, gain_ms: float,
                  **extra: Any) -> dict[str, Any]:
