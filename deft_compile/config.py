@@ -133,6 +133,11 @@ class DeftConfig(BucketSizes):
     wire_dtypes: tuple[str, ...] = WIRE_DTYPES
 
     def __post_init__(self) -> None:
+        if isinstance(self.preserver, dict):  # as a config file spells it
+            object.__setattr__(self, "preserver", PreserverConfig(**self.preserver))
+        elif not isinstance(self.preserver, PreserverConfig):
+            raise TypeError(f"preserver must be a PreserverConfig or a dict of its fields; got "
+                            f"{type(self.preserver).__name__}")
         if self.delayed_update not in DELAYED_UPDATES:
             raise ValueError(f"delayed_update must be one of {', '.join(map(repr, DELAYED_UPDATES))}; "
                              f"got {self.delayed_update!r}")

@@ -580,3 +580,46 @@ def test_a_proposal_must_still_gain_at_twice_its_price():
     assert survives_doubt(19.1, 0.675, 12.0, 28.1, 2.0)
     with pytest.raises(ValueError, match="price_doubt"):
         PreserverConfig(price_doubt=0.5)
+
+
+def test_a_staleness_measurement_is_taken_only_where_its_price_can_change_the_decision():
+    """``Trader.staleness_can_pay``: with no delays adopted, the plan solved without prices must gain
+    ``trade_margin`` of compute over the synchronous plan (no price makes a priced plan gain more); with delays
+    standing their prices judge them; a final decision needs none."""
+    from types import SimpleNamespace
+
+    from deft_compile.preserver.trade import Trader
+
+    def plan(ms: float, delay: int) -> SimpleNamespace:
+        return SimpleNamespace(predicted_iteration_ms=ms, items=[SimpleNamespace(delay=delay, period=1)])
+
+    def trader(delayed_ms: float, *, adopted: bool = False) -> Trader:
+        def solve(options):
+            return plan(100.0, 0) if options.get("max_staleness") == 0 else plan(delayed_ms, 1)
+
+        # synchronous until a trade adopts delays (the default where the profile is measured)
+        preserver = Preserver(PreserverConfig(), base_options=dict(BASE), max_period=4, mean_comm_ms=2.0,
+                              start_synchronous=True)
+        preserver.traded = adopted
+        profile = SimpleNamespace(forward_ms=30.0, backward_ms=60.0, update_ms=10.0)  # compute 100 ms
+        return Trader(SimpleNamespace(profile=profile, solve=solve), preserver)
+
+    margin = PreserverConfig().trade_margin * 100.0  # ms: the margin of a 100 ms compute step
+    assert not trader(100.0 - 0.5 * margin).staleness_can_pay()  # gains under the margin: nothing to price
+    assert trader(100.0 - 2.0 * margin).staleness_can_pay()
+    assert trader(100.0 - 0.5 * margin, adopted=True).staleness_can_pay()  # adopted delays are judged
+    settled = trader(100.0 - 2.0 * margin)
+    settled.preserver.settled = "synchronous"
+    assert not settled.staleness_can_pay()
+
+
+def test_the_preserver_s_config_may_be_given_as_a_dict_of_its_fields():
+    """``DeftConfig(preserver={...})``, as a config file spells it, is a ``PreserverConfig``; an unknown field or
+    another type is refused where the config is made, not at the first step."""
+    from deft_compile import DeftConfig
+
+    assert DeftConfig(preserver={"trade_margin": 0.2}).preserver == PreserverConfig(trade_margin=0.2)
+    with pytest.raises(TypeError, match="trade_marjin"):
+        DeftConfig(preserver={"trade_marjin": 0.2})
+    with pytest.raises(TypeError, match="PreserverConfig or a dict"):
+        DeftConfig(preserver=0.2)

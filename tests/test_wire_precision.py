@@ -26,6 +26,7 @@ import pytest
 
 from bounds import check_within_drift, worst
 from deft_compile import DeftConfig
+from deft_compile.preserver import PreserverConfig
 from deft_compile.planner.plan import CommItem, LinkCost, ParamProfile, ParamSlice, Plan, Profile
 from deft_compile.planner.simulator import simulate
 from deft_compile.planner.solvers import solve
@@ -271,3 +272,21 @@ def test_a_float32_wire_is_one_setting_away():
         assert result["prices"] is None and set(result["wire"]) == {"float32"}
         for entry in result["steps"]:
             check_entry(entry, True, f"step {entry['step']}")
+
+
+def test_where_no_price_can_buy_delays_a_measurement_prices_only_the_wire():
+    """A margin no delay can gain (ten compute steps) leaves nothing for a staleness price to decide: every due
+    measurement of a plan that narrows buckets is one eager pass pricing the wire, none is the two-pass staleness
+    measurement, and the plan stays synchronous. With the default margin the same run measures staleness."""
+    def run(margin: float) -> list[dict]:
+        config = {**SMALL_BUCKETS, "preserver": {"trade_margin": margin}}
+        return [r.value for r in run_local_workers(deft_chooses_wire, 2, ("mlp_dropout_sgd", 26, config),
+                                                   timeout_s=300)]
+
+    for result in run(10.0):
+        assert "float16" in result["wire"] or "bfloat16" in result["wire"], result["table"]
+        overheads = result["overheads"]
+        assert overheads["staleness_probes"] == 0 and overheads["wire_probes"] == 3, overheads  # steps 5, 10, 25
+        assert result["history"] == ["initial plan"], result["history"]
+    for result in run(PreserverConfig().trade_margin):
+        assert result["overheads"]["staleness_probes"] > 0, result["overheads"]

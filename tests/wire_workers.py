@@ -199,4 +199,5 @@ def deft_chooses_wire(rank: int, world_size: int, case: str, steps: int, config:
     step.flush()
     return {"prices": step.planning.wire_prices, "wire": [item.wire_dtype for item in step.plan.items],
             "table": step.plan.table(step.profile), "steps": report,
-            "wire_seconds": step.planning.wire_seconds, "names": [p.name for p in step.profile.params]}
+            "wire_seconds": step.planning.wire_seconds, "names": [p.name for p in step.profile.params],
+            "overheads": dict(step.overheads), "history": [entry["reason"] for entry in step.plan_history]}

@@ -7,7 +7,9 @@ number. Every ``staleness_every`` steps, when the plan has stale items (or
 buckets the Preserver pinned), it copies the parameters before the step and
 afterwards recomputes the step's minibatch gradient at both weights (two eager
 forward/backward passes, see :mod:`deft_compile.preserver.staleness`), then all-reduces
-two numbers per bucket. With ``attribute_loss`` it copies the state before the
+two numbers per bucket. A measurement whose price could not change the decision (the trade's
+``staleness_can_pay``) is not taken; where the running plan sends buckets in 16 bits it becomes
+one pass at the weights after the step, which prices the wire's cast error only. With ``attribute_loss`` it copies the state before the
 first stale step after each new best loss window and keeps the minibatches since;
 after a finite loss signal it replays them with and without the staleness that ran
 (:mod:`deft_compile.preserver.attribution`), then all-reduces two numbers. Copies and
@@ -33,7 +35,8 @@ from deft_compile.preserver.attribution import Schedule, Snapshot, kept_batch, l
 from deft_compile.preserver.admission import PlainAdmission
 from deft_compile.preserver.budget import AttributionBudget
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
-from deft_compile.preserver.staleness import predicted_weights, same_batch_gradient_change, update_metric
+from deft_compile.preserver.staleness import (batch_gradients, predicted_weights, same_batch_gradient_change,
+                                              update_metric)
 from deft_compile.preserver.trade import Trader
 from deft_compile.preserver.wire_error import cast_error_norms, metric_weights
 from deft_compile.timing import comm_device
@@ -80,6 +83,8 @@ class PreserverMonitor:
         self._probe: dict | None = None
         self.probe_seconds = 0.0  # wall-clock time spent measuring staleness (cloning weights, recomputing)
         self._clone_seconds = 0.0  # the weight copy of the measurement under way
+        self._measuring = ""  # what it measures (``_measurement``)
+        self.measurements = {"staleness": 0, "wire": 0}  # taken so far, by kind
         # since the best loss window: whether a step ran stale, and (attribute_loss) a copy of the state there with
         # the minibatches and schedules of the steps since, for a paired replay
         self._stale_since_best = False
@@ -131,14 +136,18 @@ class PreserverMonitor:
         plan = self.step.plan
         return plan is not None and any(item.narrowed for item in plan.items)
 
-    def _worth_measuring(self) -> bool:
-        """Veto mode: stale items to check, or pinned buckets that may be released. Trade mode: the plan
-        without prices has staleness to trade (else there is nothing to price), or the running plan narrows
-        buckets (their wire is judged)."""
-        if self.config.trade:
-            return self._narrowed() or any(self._staleness(item) > 0 for item in self.step.items) or any(
-                item.delay or item.period > 1 for item in self.step.solve(self.preserver.unpriced_options()).items)
-        return any(self._staleness(item) > 0 for item in self.step.items) or bool(self.preserver.pinned)
+    def _measurement(self) -> str:
+        """What the due measurement measures: ``"staleness"`` (the gradient at the weights before and after the
+        step: two eager passes), ``"wire"`` (the running 16-bit wire's cast error on this step's gradient: one
+        pass) or ``""`` (nothing worth a pass). Veto mode: staleness while items are stale or buckets pinned.
+        Trade mode: staleness while items are stale or a measured price can change the decision
+        (``Trader.staleness_can_pay``), else the wire while the running plan narrows buckets."""
+        stale = any(self._staleness(item) > 0 for item in self.step.items)
+        if not self.config.trade:
+            return "staleness" if stale or self.preserver.pinned else ""
+        if stale or self.trader.staleness_can_pay():
+            return "staleness"
+        return "wire" if self._narrowed() else ""
 
     def before_step(self) -> None:
         """Called before every step: keep the weights if this step's staleness error is measured, and copy the
@@ -152,8 +161,12 @@ class PreserverMonitor:
             if not self.step.updates_at(self.step.step_count):  # a call that only accumulates changes no weight
                 self.preserver.probes.postpone(1)
                 return
-            if not self._worth_measuring():
+            self._measuring = self._measurement()
+            if not self._measuring:
                 self.preserver.probes.postpone(self.config.staleness_every)
+                return
+            if self._measuring == "wire":  # the gradient at the weights after the step: nothing to keep
+                self._before, self._clone_seconds = [], 0.0
                 return
             started = time.perf_counter()
             params = self.step.graph.captured.model_state.params
@@ -191,10 +204,17 @@ class PreserverMonitor:
             by_tensor = update_metric(self.step.optimizer)
             metric = {i: by_tensor[state.params[i]] for i in watched if state.params[i] in by_tensor}
         gradients: dict[int, torch.Tensor] | None = {} if self.config.trade and self._narrowed() else None
-        change = same_batch_gradient_change(
-            self.step.model, state.param_names, self._before, state.params, dict(zip(state.buffer_names, state.buffers)),
-            self.step.loss_fn, args, kwargs, watched, metric, keep=gradients,
-        )
+        buffers = dict(zip(state.buffer_names, state.buffers))
+        passes = 1 if self._measuring == "wire" else 2
+        if passes == 1:  # the wire only: this step's gradient at the weights it left
+            change: dict[int, tuple[float, float]] = {}
+            grads = batch_gradients(self.step.model, state.param_names, state.params, buffers, self.step.loss_fn,
+                                    args, kwargs, watched)
+            gradients = {p: g for p, g in zip(watched, grads) if g is not None}
+        else:
+            change = same_batch_gradient_change(self.step.model, state.param_names, self._before, state.params,
+                                                buffers, self.step.loss_fn, args, kwargs, watched, metric,
+                                                keep=gradients)
         wire_row: list[float] = []
         if gradients is not None:  # the 16-bit wire's error on this gradient (preserver.wire_error)
             dtypes = self.trader.wire_dtypes()
@@ -202,7 +222,8 @@ class PreserverMonitor:
             weights = metric_weights(self.step.optimizer, [state.params[p] for p in watched], chosen)
             wire_row = cast_error_norms(chosen, self.step.world_size, dtypes, weights)
         recomputed = time.perf_counter() - started
-        self.budget.pass_seconds = recomputed / 2  # the gradient at two weights: a paired replay's unit of work
+        self.measurements["wire" if passes == 1 else "staleness"] += 1
+        self.budget.pass_seconds = recomputed / passes  # one forward and backward: a paired replay's unit of work
         probe_ms = 1e3 * (recomputed + self._clone_seconds)
         means = self._all_rank_mean([change.get(p, (0.0, 0.0))[k] for k in (0, 1) for p in watched] + wire_row
                                     + [probe_ms])
@@ -222,7 +243,7 @@ class PreserverMonitor:
                 self.preserver.probes.after_measurement(step_count, changed=True, probe_ms=probe_ms,
                                                         step_ms=self.trader.running_step_ms())
                 return event
-        if self.preserver.settled:  # the trade's decision is final: this measurement judged the wire only
+        if self.preserver.settled or self._measuring == "wire":  # this measurement judged the wire only
             self.preserver.probes.after_measurement(step_count, changed=False, probe_ms=probe_ms,
                                                     step_ms=self.trader.running_step_ms())
             return None

@@ -101,6 +101,24 @@ def _loss_at(model: torch.nn.Module, names: Sequence[str], params: Sequence[torc
     return seeded_loss(model, tensors, loss_fn, args, kwargs)
 
 
+def batch_gradients(
+    model: torch.nn.Module,
+    param_names: Sequence[str],
+    values: Sequence[torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor] | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    watched: Sequence[int],
+) -> tuple[torch.Tensor | None, ...]:
+    """This batch's gradient of each watched parameter (None where the loss does not use it) with every parameter
+    at ``values`` (in ``param_names`` order): one eager forward and backward pass with the step's dropout seed."""
+    leaves = [v.detach().requires_grad_(i in watched) for i, v in enumerate(values)]
+    with torch.enable_grad():
+        loss = _loss_at(model, param_names, leaves, buffers, loss_fn, args, kwargs)
+        return torch.autograd.grad(loss, [leaves[i] for i in watched], allow_unused=True)
+
+
 def same_batch_gradient_change(
     model: torch.nn.Module,
     param_names: Sequence[str],
@@ -125,13 +143,8 @@ def same_batch_gradient_change(
     ``loss_fn``). Squared norms are returned so callers can sum them over
     parameters and ranks before taking the ratio.
     """
-    gradients = []
-    for values in (before, after):
-        leaves = [v.detach().requires_grad_(i in watched) for i, v in enumerate(values)]
-        with torch.enable_grad():
-            loss = _loss_at(model, param_names, leaves, buffers, loss_fn, args, kwargs)
-            grads = torch.autograd.grad(loss, [leaves[i] for i in watched], allow_unused=True)
-        gradients.append(grads)
+    gradients = [batch_gradients(model, param_names, values, buffers, loss_fn, args, kwargs, watched)
+                 for values in (before, after)]
     result = {}
     for index, g_before, g_after in zip(watched, *gradients):
         if g_before is None or g_after is None:

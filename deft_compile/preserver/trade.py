@@ -95,6 +95,25 @@ class Trader:
         preserver.probes.after_measurement(step_count, changed=changed, probe_ms=probe_ms, step_ms=self._step_ms(synchronous))
         return event
 
+    def staleness_can_pay(self) -> bool:
+        """Whether a staleness measurement can change the decision: never once it is final (``settled``); always
+        while the standing plan has staleness (its prices judge it); with none adopted, only where the plan
+        solved without prices is predicted to gain ``trade_margin`` of the compute step over the synchronous
+        plan. A price is never negative, so no priced plan passes ``_propose``'s margin when that one does not,
+        and the two eager passes of the measurement would buy nothing."""
+        preserver, step = self.preserver, self.step
+        if preserver.settled or step.profile is None:
+            return False
+        if has_staleness(step.solve(preserver.options)):
+            return True
+        unpriced = preserver.unpriced_options()
+        plan = step.solve(unpriced)
+        if not has_staleness(plan):
+            return False
+        synchronous = step.solve({**unpriced, "max_staleness": 0})
+        gain_ms = float(synchronous.predicted_iteration_ms or 0.0) - float(plan.predicted_iteration_ms or 0.0)
+        return gain_ms >= self.config.trade_margin * compute_ms(step.profile)
+
     def running_step_ms(self) -> float:
         """The running plan's step time: measured by the closed loop where it has measured it, else predicted."""
         times, plan = self._times(), self.step.plan

@@ -285,7 +285,8 @@ class CompiledStep:
         plan (``planning_seconds``), building step graphs (``graph_seconds``: tracing and passes, not the
         Inductor compile, which ``lowering.history`` reports), the Preserver's staleness measurements
         (``probe_seconds``) and its copies and paired replays for loss signals (``attribution_seconds``); with the
-        counts of graphs built and of step traces."""
+        counts of graphs built, of step traces and of the Preserver's measurements by kind (``staleness_probes``:
+        two eager passes each, ``wire_probes``: one)."""
         monitor = self.planning.monitor
         return {
             "planning_seconds": self.planning.seconds,
@@ -295,6 +296,8 @@ class CompiledStep:
             "compile_seconds": sum(entry.get("seconds", 0.0) for entry in self.lowering.history),
             "graphs": self.runner.trace_count,
             "captures": self.runner.capture_count,
+            "staleness_probes": monitor.measurements["staleness"] if monitor is not None else 0,
+            "wire_probes": monitor.measurements["wire"] if monitor is not None else 0,
         }
 
     @names_lost_peers
