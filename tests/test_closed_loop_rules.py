@@ -139,6 +139,28 @@ def test_deft_trials_its_synchronous_plan_and_both_priority_plans():
     assert trial_queue("wfbp", wfbp, profile, {}, is_synchronous, CONFIG, solve_own, loss_scaled=False) == []
 
 
+def test_priority_candidates_are_tried_only_where_their_bytes_could_gain_the_least_gain():
+    """A priority plan computes what the initial plan computes and hides at most its communication: where the
+    busiest link's load (x(1 + tolerance) for the profile's error) is under ``min_gain`` of the step, its trial
+    cannot pay and the queue leaves it out; the same model on a slower link tries both."""
+    import dataclasses
+
+    from deft_compile.planner.closed_loop import can_gain, link_load_ms
+    from deft_compile.planner.stability import predicted_ms
+
+    profile = build_profile("gpt2", gpus=16)
+    fast = dataclasses.replace(profile, links=[dataclasses.replace(link, alpha_ms=0.0, beta_ms_per_byte=1e-12)
+                                               for link in profile.links])
+    for chosen, tried in ((profile, True), (fast, False)):
+        plan = solve(chosen, "deft", max_staleness=0)
+        load, step = link_load_ms(chosen, plan), predicted_ms(chosen, plan)
+        assert can_gain(plan, chosen, CONFIG) == ((1 + CONFIG.tolerance) * load >= CONFIG.min_gain * step) == tried
+        queue = trial_queue("deft", plan, chosen, {}, is_synchronous, CONFIG, lambda o: solve(chosen, "deft", **o),
+                            loss_scaled=False)
+        assert [why for _, why in queue] == ((["synchronous priority candidate (bytescheduler)",
+                                               "synchronous priority candidate (usbyte)"]) if tried else [])
+
+
 def test_refining_from_the_threads_clocks_reproduces_the_measured_plans():
     """Measurements made by the simulator itself at known factors (compute 1.3x, contention 0.4): the refinement
     from the thread's clocks finds the compute (within the run-queue share it reads at the profile's overlaps)

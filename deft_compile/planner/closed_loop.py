@@ -90,6 +90,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from deft_compile.planner.simulator import coverage_rate
 from deft_compile.planner.solvers import solve
 from deft_compile.planner.solvers.hybrid import PRIORITY_SOLVERS, priority_plan_with_wire, wire_by_param
 from deft_compile.planner.stability import predicted_ms, solve_stable
@@ -125,7 +126,9 @@ class ClosedLoopConfig:
             0.2 because at 0.1 that fit shrinks the compute on the suite's BERT and the trades it then prices
             lose their duels.
         min_gain: the fraction of the step time by which a plan with delays must beat the synchronous plan to
-            be kept. 1 % because a plan with delays costs staleness, so a tie goes to the synchronous plan.
+            be kept. 1 % because a plan with delays costs staleness, so a tie goes to the synchronous plan. The
+            priority candidates are tried only where the plan's communication could gain that much
+            (``can_gain``).
         duel_rounds: interleaved rounds of the duel between the best plan with delays or periods and the
             synchronous plan (0: decide from the sequential measurements alone). 4 rounds in alternating order
             let a load trend fall on both plans alike.
@@ -492,9 +495,29 @@ def trial_queue(policy: str, plan, profile, measured: Measured, synchronous: IsS
     if not synchronous(plan):
         queue.append((synchronous_candidate(policy, plan, profile, solve_own), "synchronous candidate"))
     if config.priority_candidate and policy == "deft" and not loss_scaled:
-        queue += [(p, f"synchronous priority candidate ({p.policy})")
-                  for p in priority_plans(profile, wire_by_param(plan))]
+        if can_gain(plan, profile, config):
+            queue += [(p, f"synchronous priority candidate ({p.policy})")
+                      for p in priority_plans(profile, wire_by_param(plan))]
+        else:
+            log.info("closed loop: no priority candidates: the plan's communication, %.3g ms per step on its busiest "
+                     "link (x%.2f for the profile's error), is under %.0f%% of its %.3g ms step, the least gain a "
+                     "plan must show", link_load_ms(profile, plan), 1 + config.tolerance, 100 * config.min_gain,
+                     predicted_ms(profile, plan))
     return [(p, why) for p, why in queue if p.hash() not in measured]
+
+
+def link_load_ms(profile, plan) -> float:
+    """The busiest link's communication per step under ``plan`` (``simulator.coverage_rate`` in ms): no schedule
+    of the same bytes hides more than this."""
+    return coverage_rate(profile, plan) * (profile.forward_ms + profile.backward_ms)
+
+
+def can_gain(plan, profile, config: ClosedLoopConfig) -> bool:
+    """Whether another schedule of ``plan``'s bytes could beat it by ``min_gain`` of its step: its busiest link's
+    load, scaled up by ``tolerance`` for the profile's error, reaches that share. A priority plan hides
+    communication and computes the same, so it gains at most that load; below it, its trial (graphs, a flush and a
+    window of steps) cannot pay."""
+    return (1 + config.tolerance) * link_load_ms(profile, plan) >= config.min_gain * predicted_ms(profile, plan)
 
 
 def refined_plan(profile, policy: str, initial, own_options: dict[str, Any]):
