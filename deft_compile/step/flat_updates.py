@@ -6,7 +6,8 @@ corrections), and every op on the parameter-shaped tensors is point-wise (``torc
 tensor like its input (``zeros_like``, ``clone``, a dtype cast). Such a region computes the same numbers on the
 flattened tensors: each element's arithmetic is the same, in the same order. So it compiles once, for 1-D inputs
 of a symbolic length, and runs every parameter of that optimizer form (same optimizer, hyper-parameters and
-dtypes: the same region structure once shapes are left out) on ``x.view(-1)`` of its contiguous tensors.
+dtypes: the same region structure once shapes are left out) on ``x.view(-1)`` of its contiguous tensors, at any
+storage offset (a gradient is a view into its bucket's flat buffer).
 
 A region that is not element-wise in this sense (a reduction, a view, a broadcast between shapes), inputs that
 are not contiguous, a parameter of fewer than two elements (a size-0 or size-1 dimension is specialised, as in
@@ -31,6 +32,8 @@ _LIKE_OPS = {
     torch.ops.aten.full_like.default, torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default,
     torch.ops.aten.copy.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
 }
+#: the flat compile's storage-offset hints start here (``FlatUpdate.fake_inputs``)
+_OFFSET_HINT = 2
 #: keyword arguments of ``_to_copy`` and the ``*_like`` ops that keep the shape and the element order
 _LIKE_KWARGS = {"dtype", "layout", "device", "pin_memory", "memory_format", "non_blocking"}
 
@@ -41,7 +44,7 @@ class FlatUpdate:
 
     shape: tuple[int, ...]
     key: str
-    _admitted: dict[int, bool] = field(default_factory=dict)
+    _admitted: dict[tuple, bool] = field(default_factory=dict)
 
     @classmethod
     def of(cls, segment: Any) -> "FlatUpdate | None":
@@ -73,31 +76,38 @@ class FlatUpdate:
                                                                        and v.is_contiguous()) for v in inputs)
 
     def fake_inputs(self, inputs: Sequence[Any]) -> tuple[list[Any], Any]:
-        """Fake inputs of a new shape environment for the flat compile: 1-D of one symbolic length where ``inputs``
-        have the shape, 0-dim as they are; and the fake mode."""
+        """Fake inputs of a new shape environment for the flat compile: 1-D of one symbolic length, each at a
+        symbolic storage offset of its own, where ``inputs`` have the shape; 0-dim as they are; and the fake mode.
+        The offsets are symbolic because a parameter's gradient is a view into its bucket's flat buffer: a compile
+        for offset 0 would guard on it and serve no other parameter of the form."""
+        from torch._dynamo.source import ConstantSource
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
         mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         length = None
         fakes: list[Any] = []
-        for value in inputs:
+        for index, value in enumerate(inputs):
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 fakes.append(mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value)
                 continue
             if length is None:
-                first = mode.from_tensor(torch.empty(_numel(self.shape), dtype=value.dtype, device=value.device),
-                                         symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC]))
-                length = first.shape[0]
-                fakes.append(first)
-                continue
+                length = mode.from_tensor(torch.empty(_numel(self.shape), dtype=value.dtype, device=value.device),
+                                          symbolic_context=StatelessSymbolicContext(
+                                              dynamic_sizes=[DimDynamic.DYNAMIC])).shape[0]
+            # a hint other than 0 and 1, which a shape environment specialises
+            offset = mode.shape_env.create_unspecified_symint_and_symbol(
+                _OFFSET_HINT + index, ConstantSource(f"flat_update_offset_{index}"), DimDynamic.DYNAMIC)
             with mode:
-                fakes.append(torch.empty_strided((length,), (1,), dtype=value.dtype, device=value.device))
+                base = torch.empty_strided((length + offset,), (1,), dtype=value.dtype, device=value.device)
+                fakes.append(base.as_strided((length,), (1,), offset))
         return fakes, mode
 
     def admits(self, fakes: Sequence[Any], mode: Any, inputs: Sequence[Any]) -> bool:
-        """Whether the guards the flat compile recorded admit this parameter's length (memoised per length)."""
-        numel = _numel(self.shape)
+        """Whether the guards the flat compile recorded admit this parameter's length and its tensors' storage
+        offsets (memoised per length and offsets)."""
+        numel = (_numel(self.shape),
+                 tuple(v.storage_offset() for v in inputs if isinstance(v, torch.Tensor) and v.dim() > 0))
         if numel not in self._admitted:
             env = mode.shape_env
             flat = [v.reshape(-1) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for v in inputs]
