@@ -39,6 +39,11 @@ def bucket_link_ms(profile: Profile, bucket: Sequence[int], wire_dtype: str, lin
     return min(link.cost(nbytes) for link in links) if links else 0.0
 
 
+def saved_link_ms(profile: Profile, bucket: Sequence[int], wire_dtype: str, links: Sequence[LinkCost]) -> float:
+    """The link time one all-reduce of ``bucket`` saves when sent as ``wire_dtype`` instead of float32."""
+    return bucket_link_ms(profile, bucket, WIRE_FULL, links) - bucket_link_ms(profile, bucket, wire_dtype, links)
+
+
 def bucket_wire_price(profile: Profile, bucket: Sequence[int], prices: dict[str, float]) -> float:
     """A bucket's price at one dtype: the sum of its parameters' (by name; 0 where unpriced)."""
     return sum(prices.get(profile.params[p].name, 0.0) for p in bucket)
@@ -59,13 +64,12 @@ def choose_wire(profile: Profile, buckets: Sequence[Sequence[int]], wire_prices:
                 or any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in keep_float32)):
             choice.append(WIRE_FULL)
             continue
-        full_ms = bucket_link_ms(profile, bucket, WIRE_FULL, links)
         best, best_price = WIRE_FULL, 0.0
         for dtype in sorted(wire_prices):
             if dtype == WIRE_FULL:
                 continue
             price = bucket_wire_price(profile, bucket, wire_prices[dtype])
-            saved = full_ms - bucket_link_ms(profile, bucket, dtype, links)
+            saved = saved_link_ms(profile, bucket, dtype, links)
             if narrowing_pays(saved, price, step_ms, compute_ms) and (best == WIRE_FULL or price < best_price):
                 best, best_price = dtype, price
         choice.append(best)

@@ -85,6 +85,7 @@ class PreserverMonitor:
         self._clone_seconds = 0.0  # the weight copy of the measurement under way
         self._measuring = ""  # what it measures (``_measurement``)
         self.measurements = {"staleness": 0, "wire": 0}  # taken so far, by kind
+        self._narrowed_of: tuple[Any, bool] = (None, False)  # (plan, whether it narrows any bucket)
         # since the best loss window: whether a step ran stale, and (attribute_loss) a copy of the state there with
         # the minibatches and schedules of the steps since, for a paired replay
         self._stale_since_best = False
@@ -132,9 +133,11 @@ class PreserverMonitor:
                 for item in self.step.items}
 
     def _narrowed(self) -> bool:
-        """Whether the running plan sends any bucket in a 16-bit dtype."""
+        """Whether the running plan sends any bucket in a 16-bit dtype (asked every step: kept per plan)."""
         plan = self.step.plan
-        return plan is not None and any(item.narrowed for item in plan.items)
+        if plan is not self._narrowed_of[0]:
+            self._narrowed_of = (plan, plan is not None and any(item.narrowed for item in plan.items))
+        return self._narrowed_of[1]
 
     def _measurement(self) -> str:
         """What the due measurement measures: ``"staleness"`` (the gradient at the weights before and after the
@@ -199,7 +202,7 @@ class PreserverMonitor:
         started = time.perf_counter()
         state = self.step.graph.captured.model_state
         watched = sorted({p for item in self.step.items for p in item.params})
-        metric = None
+        metric, by_tensor = None, None
         if self.config.trade:  # prices in the optimizer's own metric (Adam: √P-weighted); the veto thresholds are not
             by_tensor = update_metric(self.step.optimizer)
             metric = {i: by_tensor[state.params[i]] for i in watched if state.params[i] in by_tensor}
@@ -219,7 +222,7 @@ class PreserverMonitor:
         if gradients is not None:  # the 16-bit wire's error on this gradient (preserver.wire_error)
             dtypes = self.trader.wire_dtypes()
             chosen = [gradients.get(p) for p in watched]
-            weights = metric_weights(self.step.optimizer, [state.params[p] for p in watched], chosen)
+            weights = metric_weights(self.step.optimizer, [state.params[p] for p in watched], chosen, by_tensor)
             wire_row = cast_error_norms(chosen, self.step.world_size, dtypes, weights)
         recomputed = time.perf_counter() - started
         self.measurements["wire" if passes == 1 else "staleness"] += 1

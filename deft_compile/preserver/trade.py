@@ -131,8 +131,7 @@ class Trader:
         longer pays for the link time they save go back to float32 for good (``Preserver.keep_float32``), and the
         step switches plans. ``sums``: rank sums of ``wire_error.cast_error_norms`` over ``names``, for
         ``wire_dtypes()``."""
-        from deft_compile.planner.plan import WIRE_FULL
-        from deft_compile.planner.wire import bucket_link_ms
+        from deft_compile.planner.wire import saved_link_ms
         from deft_compile.preserver.wire_pricing import harmful_buckets, wire_prices, wire_shares
 
         step, profile = self.step, self.step.profile
@@ -147,8 +146,8 @@ class Trader:
         narrowed = []
         for params, dtype, link in buckets.values():
             links = [profile.links[link]]
-            saved = bucket_link_ms(profile, params, WIRE_FULL, links) - bucket_link_ms(profile, params, dtype, links)
-            narrowed.append((tuple(profile.params[p].name for p in params), dtype, saved))
+            narrowed.append((tuple(profile.params[p].name for p in params), dtype,
+                             saved_link_ms(profile, params, dtype, links)))
         step_ms = self.running_step_ms()
         harmful = harmful_buckets(narrowed, prices, step_ms, compute)
         if not harmful:

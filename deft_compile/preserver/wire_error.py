@@ -16,28 +16,25 @@ from deft_compile.preserver.staleness import seeded_loss
 
 
 def metric_weights(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                   gradients: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+                   gradients: Sequence[torch.Tensor | None],
+                   metric: dict[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """Per parameter, the elementwise weight its update applies to the gradient's error, √P with
-    P = 1 / (√v̂ + eps), for the optimizers that divide by a second moment (Adam, AdamW, RMSprop, Adagrad): v̂
-    from the optimizer's state, or g² where it holds none yet (Adam's bias-corrected v̂ after its first step).
-    None for the others (SGD: the plain norm)."""
-    from deft_compile.preserver.staleness import _SECOND_MOMENT
+    P = 1 / (√v̂ + eps), for the optimizers that divide by a second moment (Adam, AdamW, RMSprop, Adagrad):
+    ``staleness.update_metric``'s (``metric`` where the caller has it), or from g² where the optimizer holds no
+    second moment yet (Adam's bias-corrected v̂ after its first step). None for the others (SGD: the plain norm)."""
+    from deft_compile.preserver.staleness import _SECOND_MOMENT, update_metric
 
-    key = next((k for cls, k in _SECOND_MOMENT.items() if isinstance(optimizer, cls)), None)
-    if key is None:
+    if not any(isinstance(optimizer, cls) for cls in _SECOND_MOMENT):
         return [None] * len(params)
+    if metric is None:
+        metric = update_metric(optimizer)
     eps_of = {p: group.get("eps", 1e-8) for group in optimizer.param_groups for p in group["params"]}
     weights: list[torch.Tensor | None] = []
     for p, g in zip(params, gradients):
-        v = optimizer.state.get(p, {}).get(key)
-        if isinstance(v, torch.Tensor) and v.shape == p.shape:
-            root = v.detach().sqrt()
-        elif g is not None:
-            root = g.detach().abs()
-        else:
-            weights.append(None)
-            continue
-        weights.append((root + eps_of.get(p, 1e-8)).reciprocal().sqrt())
+        weight = metric.get(p)
+        if weight is None and g is not None:
+            weight = (g.detach().abs() + eps_of.get(p, 1e-8)).reciprocal().sqrt()
+        weights.append(weight)
     return weights
 
 
