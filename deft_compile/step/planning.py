@@ -84,6 +84,7 @@ class StepPlanning:
         self.wire_seconds = 0.0  # measuring them (part of ``seconds``)
         # the first call's gradients in the model's parameter order, where ``before_first_capture`` computed them
         self._first_gradients: list[torch.Tensor | None] | None = None
+        self._warmed = False  # an eager forward and backward of the step ran before the first capture
         # Closed-loop planning times calls; under gradient accumulation calls of one cycle differ (only the last
         # communicates), so it stays off there (docs/API.md).
         closed_loop = config.closed_loop.active_for(policy, self._profile_given) and config.accumulation_steps == 1
@@ -165,8 +166,9 @@ class StepPlanning:
 
         user_tensors, _, _ = split_user_inputs(args, kwargs)
         inputs = self.runner.graph_inputs(captured.graph_module.meta["deft_layout"], captured, user_tensors)
+        # the eager pass before the capture ran the model's kernels once: the profile needs no warm-up run of its own
         profile = profile_step(captured, annotation, inputs, self.groups.links, self.groups.world_size,
-                               contention=self.config.contention)
+                               warmup=0 if self._warmed else 1, contention=self.config.contention)
         log.info("profiled the step:\n%s", profile.to_json())
         return profile
 
@@ -194,6 +196,7 @@ class StepPlanning:
         except Exception:  # noqa: BLE001 - the capture that follows names what is wrong with the step
             return
         initialize_state(optimizer, [p for p, g in zip(state.params, gradients) if g is not None])
+        self._warmed = True
         if self.groups.comm_group is not None and self.narrows_by_price():
             self._first_gradients = gradients  # the wire's price reads them too (``_measure_wire``)
 
