@@ -9,10 +9,11 @@ afterwards recomputes the step's minibatch gradient at both weights (two eager
 forward/backward passes, see :mod:`deft_compile.preserver.staleness`), then all-reduces
 two numbers per bucket. A measurement whose price could not change the decision (the trade's
 ``staleness_can_pay``) is not taken; where the running plan sends buckets in 16 bits it becomes
-one pass at the weights after the step, which prices the wire's cast error only. With ``attribute_loss`` it copies the state before the
-first stale step after each new best loss window and keeps the minibatches since;
-after a finite loss signal it replays them with and without the staleness that ran
-(:mod:`deft_compile.preserver.attribution`), then all-reduces two numbers. Copies and
+one pass at the weights after the step, which prices the wire's cast error only. With
+``attribute_loss`` it copies the state before the first stale step after each new best loss
+window and keeps the minibatches since; after a finite loss signal it replays them with and
+without the staleness that ran (:mod:`deft_compile.preserver.attribution`), then all-reduces
+two numbers. Copies and
 replays stay within ``attribution_budget`` of the steps' own time
 (:mod:`deft_compile.preserver.budget`); the loss window's all-reduce carries the
 five numbers that budget is judged by.
