@@ -623,3 +623,22 @@ def test_the_preserver_s_config_may_be_given_as_a_dict_of_its_fields():
         DeftConfig(preserver={"trade_marjin": 0.2})
     with pytest.raises(TypeError, match="PreserverConfig or a dict"):
         DeftConfig(preserver=0.2)
+
+
+def test_a_staleness_price_measured_below_the_base_learning_rate_is_scaled_to_it():
+    """``staleness.rate_scales``: a group that runs below its scheduler's base rate (warm-up, decay) prices its
+    gradient change at the base rate, base / current (the change one step makes grows with its size); a group at
+    its base rate, above it, or without a scheduler is not scaled."""
+    import torch
+
+    from deft_compile.preserver.staleness import rate_scales
+
+    warm, plain = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([{"params": [warm]}, {"params": [plain], "lr": 0.5}], lr=1e-3)
+    assert rate_scales(optimizer) == {}, "no scheduler: no base rate"
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda t: (t + 1) / 4, lambda t: 1.0])
+    assert rate_scales(optimizer) == pytest.approx({warm: 4.0})  # step 0 of a 4-step warm-up: a quarter of it
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    assert rate_scales(optimizer) == {}, "at the base rate"

@@ -36,8 +36,8 @@ from deft_compile.preserver.attribution import Schedule, Snapshot, kept_batch, l
 from deft_compile.preserver.admission import PlainAdmission
 from deft_compile.preserver.budget import AttributionBudget
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
-from deft_compile.preserver.staleness import (batch_gradients, predicted_weights, same_batch_gradient_change,
-                                              update_metric)
+from deft_compile.preserver.staleness import (batch_gradients, predicted_weights, rate_scales,
+                                              same_batch_gradient_change, update_metric)
 from deft_compile.preserver.trade import Trader
 from deft_compile.preserver.wire_error import cast_error_norms, metric_weights
 from deft_compile.timing import comm_device
@@ -219,6 +219,9 @@ class PreserverMonitor:
             change = same_batch_gradient_change(self.step.model, state.param_names, self._before, state.params,
                                                 buffers, self.step.loss_fn, args, kwargs, watched, metric,
                                                 keep=gradients)
+        if self.config.trade and change:  # priced at the scheduler's base rate (``staleness.rate_scales``)
+            scales = rate_scales(self.step.optimizer)
+            change = {p: (moved * scales.get(state.params[p], 1.0) ** 2, size) for p, (moved, size) in change.items()}
         wire_row: list[float] = []
         if gradients is not None:  # the 16-bit wire's error on this gradient (preserver.wire_error)
             dtypes = self.trader.wire_dtypes()

@@ -55,6 +55,21 @@ def update_metric(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.
     return metric
 
 
+def rate_scales(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, float]:
+    """Per parameter whose group runs below its scheduler's base learning rate (``initial_lr``, which every
+    ``torch.optim.lr_scheduler`` sets): base / current. A staleness price measured there is scaled up by it: one
+    step's gradient change grows with the step's size (to first order Δg ≈ H·Δw, and Δw ∝ lr for SGD and the Adam
+    family alike), and a delay adopted in the warm-up runs on at the peak rate. Under decay the scale prices
+    staleness above what it costs at the current rate, which keeps a late decision on the synchronous side."""
+    scales = {}
+    for group in optimizer.param_groups:
+        base, lr = group.get("initial_lr"), float(group["lr"])
+        if base is not None and 0 < lr < float(base):
+            for p in group["params"]:
+                scales[p] = float(base) / lr
+    return scales
+
+
 def predicted_weights(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each parameter at the weights a compensated delayed update computes its gradient at
     (``DeftConfig(delayed_update="compensated")``, ``deft_compile.passes.compensation``): SGD w − lr·v, Adam and
