@@ -39,6 +39,13 @@ os.environ.setdefault("DEFT_COMPILER", "aten")
 # ``ATEN_CPU_CAPABILITY`` it runs under (workers inherit the tag; a test that changes the kernel set sets both).
 os.environ.setdefault("TORCH_COMPILE_CACHE_KEY_TAG", f"aten-cpu-capability={os.environ.get('ATEN_CPU_CAPABILITY', '')}")
 
+# One intra-op thread in the test processes too, as in every gloo worker (``launcher``): two pytest-xdist workers
+# share the host's cores with each other's gloo workers, and a test that computes in its own process with a thread per
+# core would wait on busy cores at every parallel region instead of running on one.
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
 _ROOT = Path(__file__).resolve().parents[1]
 for _folder in (_ROOT / "benchmarks", _ROOT / "examples"):
     if str(_folder) not in sys.path:

@@ -132,8 +132,9 @@ def mismatched_models(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def dead_peer(rank: int, world_size: int, mode: str) -> str:
-    """Rank 1 dies (or hangs) after one step; rank 0's next step must fail and name rank 1."""
+def dead_peer(rank: int, world_size: int, mode: str, released: str | None = None) -> str:
+    """Rank 1 dies (or hangs) after one step; rank 0's next step must fail and name rank 1. Hanging, rank 1 answers
+    nothing until rank 0 has its error and creates the file ``released`` (12 s at most; without ``released``, 12 s)."""
     import os
     import time
 
@@ -143,12 +144,17 @@ def dead_peer(rank: int, world_size: int, mode: str) -> str:
     if rank == 1:
         if mode == "dies":
             os._exit(3)
-        time.sleep(12)
+        deadline = time.monotonic() + 12
+        while time.monotonic() < deadline and not (released is not None and os.path.exists(released)):
+            time.sleep(0.05)
         return "slept"
     try:
         step(*batch)
     except Exception as exc:  # noqa: BLE001 - the test inspects the type and message
         return f"{type(exc).__name__}: {exc}"
+    finally:
+        if released is not None:
+            Path(released).touch()
     return "no error"
 
 
@@ -1536,15 +1542,3 @@ def contention_config_run(rank: int, world_size: int) -> dict:
         step(*make_batch(torch.Generator().manual_seed(rank)))
         found[label] = step.profile.contention
     return found
-
-
-def launch_facts(rank: int, world_size: int, name: str) -> dict:
-    """What a worker sees of its start: the environment variable ``name``, its pid, its intra-op threads, and
-    one all-reduce across the group."""
-    import os
-
-    import torch.distributed as dist
-
-    total = torch.tensor([float(rank + 1)])
-    dist.all_reduce(total)
-    return {"value": os.environ.get(name), "pid": os.getpid(), "sum": total.item(), "threads": torch.get_num_threads()}
