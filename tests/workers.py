@@ -186,7 +186,7 @@ def compare_with_eager(case: str, steps: int, batches=None, optimizer_override=N
     return report
 
 
-def _profile_cache_file(model, optimizer, loss_fn, batch):
+def _profile_cache_file(model, optimizer, loss_fn, batch, keyword: bool = False):
     """Where ``synthetic_profile`` and ``delaying_profile`` keep the measured-free profile of this model's step for the rest of the session
     (``DEFT_TEST_PROFILE_CACHE``, a folder tests/conftest.py makes per run; None without it): the file is named by
     everything the capture's sizes and order depend on (the module tree, each parameter's and buffer's name, shape,
@@ -205,21 +205,23 @@ def _profile_cache_file(model, optimizer, loss_fn, batch):
         [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
         [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
         type(optimizer).__qualname__, getattr(loss_fn, "__qualname__", repr(loss_fn)),
-        [(tuple(t.shape), str(t.dtype)) for t in tensors],
+        [(tuple(t.shape), str(t.dtype)) for t in tensors], keyword,
     ))
     return Path(folder) / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
-def _sizes_profile(model, optimizer, loss_fn, batch):
+def _sizes_profile(model, optimizer, loss_fn, batch, keyword: bool = False):
     """``profile_model(..., measure=False)`` of this step, read from the session's cache where a launch of the same
-    model captured it already (``_profile_cache_file``), else captured and written there."""
+    model captured it already (``_profile_cache_file``), else captured and written there. ``keyword``: ``batch`` is a
+    dict of the model's keyword inputs (no loss_fn: the model returns its loss)."""
     from deft_compile.planner.plan import Profile
     from deft_compile.step.profiler import profile_model
 
-    cached = _profile_cache_file(model, optimizer, loss_fn, batch)
+    cached = _profile_cache_file(model, optimizer, loss_fn, batch, keyword)
     if cached is not None and cached.exists():
         return Profile.from_json(cached.read_text())
-    profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+    profile = (profile_model(model, optimizer, loss_fn, (), batch, measure=False) if keyword else
+               profile_model(model, optimizer, loss_fn, batch, measure=False))
     if cached is not None:  # written whole, then renamed: a concurrent reader sees all of it or nothing
         partial = cached.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(profile.to_json())
