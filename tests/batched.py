@@ -6,7 +6,8 @@ read it) and reads them through a module-scoped fixture that calls ``launch_case
 reads run (``pytest -k``, a single test id). Each rank writes a case's outcome to a file as soon as the case ends, so
 a case that raises, hangs past its collective timeout or kills its worker is reported against that case alone, with
 every rank's traceback, and the cases after it run again in a new launch. ``outcome(key)`` gives the per-rank
-values of a case that ran, or fails the test with the case's own failure.
+values of a case that ran, or fails the test with the case's own failure; ``outcome.errors(key)`` gives the per-rank
+tracebacks of a case that must fail (a refusal that raises in the worker), and fails the test if it ran through.
 
 Cases run in the order listed, each from a fresh model, optimizer and seed as its worker function makes them;
 cases that need a different process environment (``Case.env``) run in a launch of their own.
@@ -62,8 +63,9 @@ class CaseFailure(AssertionError):
 class Outcomes:
     """The outcomes of the cases ``launch_cases`` ran, by key."""
 
-    def __init__(self, values: dict[Any, list[Any]], failures: dict[Any, str]) -> None:
-        self._values, self._failures = values, failures
+    def __init__(self, values: dict[Any, list[Any]], failures: dict[Any, str],
+                 errors: dict[Any, list[str | None]]) -> None:
+        self._values, self._failures, self._errors = values, failures, errors
 
     def __call__(self, key: Any) -> list[Any]:
         """The per-rank values of case ``key``; a case that failed fails the calling test with its tracebacks."""
@@ -72,6 +74,15 @@ class Outcomes:
         if key not in self._values:
             raise KeyError(f"case {key!r} did not run: no selected test names it in Case.tests")
         return self._values[key]
+
+    def errors(self, key: Any) -> list[str | None]:
+        """The traceback of case ``key`` on each rank (None where the rank's run ended with a value, or where it
+        left no outcome: then its worker's own error is in the message of ``__call__``)."""
+        if key in self._values:
+            raise CaseFailure(f"case {key!r} ran through on every rank; it was to fail")
+        if key not in self._errors:
+            raise KeyError(f"case {key!r} did not run: no selected test names it in Case.tests")
+        return self._errors[key]
 
 
 def selected(request: pytest.FixtureRequest, cases: list[Case]) -> list[Case]:
@@ -89,6 +100,7 @@ def launch_cases(request: pytest.FixtureRequest, cases: list[Case], *, world_siz
     assert len(set(keys)) == len(keys), f"case keys repeat: {keys}"
     values: dict[Any, list[Any]] = {}
     failures: dict[Any, str] = {}
+    errors: dict[Any, list[str | None]] = {}
     by_env: dict[tuple, list[Case]] = {}
     for case in selected(request, cases):
         by_env.setdefault(tuple(sorted(case.env.items())), []).append(case)
@@ -99,15 +111,15 @@ def launch_cases(request: pytest.FixtureRequest, cases: list[Case], *, world_siz
                 results = run_local_workers(run_cases, world_size, ([(c.fn, c.args) for c in pending], folder),
                                             timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
                                             env=dict(env), raise_on_failure=False)
-                ended = _collect(pending, results, Path(folder), world_size, values, failures)
+                ended = _collect(pending, results, Path(folder), world_size, values, failures, errors)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
             pending = pending[ended:]
-    return Outcomes(values, failures)
+    return Outcomes(values, failures, errors)
 
 
 def _collect(pending: list[Case], results: list, folder: Path, world_size: int, values: dict,
-             failures: dict) -> int:
+             failures: dict, errors: dict) -> int:
     """Record the cases of one launch; returns how many of ``pending`` it settled (every case up to and including
     the first that failed on some rank)."""
     for index, case in enumerate(pending):
@@ -127,5 +139,6 @@ def _collect(pending: list[Case], results: list, folder: Path, world_size: int, 
             elif not o[0]:
                 lines.append(f"--- rank {rank} ---\n{o[1]}")
         failures[case.key] = "\n".join(lines)
+        errors[case.key] = [o[1] if o is not None and not o[0] else None for o in outcomes]
         return index + 1
     return len(pending)
