@@ -23,7 +23,10 @@ Kernel sets. ``TORCH_COMPILE_CACHE_KEY_TAG`` names the ``ATEN_CPU_CAPABILITY`` t
 Workers. The suite launches about a hundred pairs of gloo workers. Spawned, each worker starts an interpreter and
 imports torch, deft_compile and the test helpers (3-4 s a launch on the 2-core CI host); forked from one server that
 imported them once (``launcher.use_forkserver``), a launch costs well under a second. ``DEFT_TEST_SPAWN=1`` runs the
-suite with spawned workers, as the benchmarks and the demo start theirs.
+suite with spawned workers, as the benchmarks and the demo start theirs. Most files run their many small 2-process
+cases in one pair, one case after another (tests/batched.py): a module fixture launches the cases the selected tests
+read, and each test asserts its own case's outcome. The test processes compute with one intra-op thread, as every
+worker does.
 
 The benchmark harnesses the tests run (``benchmarks/tta.py``, ``benchmarks/lm_models.py``) and the examples'
 corpus (``examples/corpus.py``) are imported by module name: both folders are appended to ``sys.path``.
@@ -38,6 +41,13 @@ os.environ.setdefault("DEFT_COMPILER", "aten")
 # cache by the CPU kernel set (deft_compile/step/isa_key.py), so the suite tags every torch compile with the
 # ``ATEN_CPU_CAPABILITY`` it runs under (workers inherit the tag; a test that changes the kernel set sets both).
 os.environ.setdefault("TORCH_COMPILE_CACHE_KEY_TAG", f"aten-cpu-capability={os.environ.get('ATEN_CPU_CAPABILITY', '')}")
+
+# One intra-op thread in the test processes too, as in every gloo worker (``launcher``): two pytest-xdist workers
+# share the host's cores with each other's gloo workers, and a test that computes in its own process with a thread per
+# core would wait on busy cores at every parallel region instead of running on one.
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 _ROOT = Path(__file__).resolve().parents[1]
 for _folder in (_ROOT / "benchmarks", _ROOT / "examples"):

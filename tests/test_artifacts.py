@@ -154,15 +154,28 @@ def _measured_worker(rank: int, world_size: int, out: str) -> list[str]:
     return sorted(trace_event_names(path)), gantt.rows, gantt.bars
 
 
-def test_measured_timeline_shows_gloo_collectives(tmp_path):
-    from deft_compile.tools.launcher import run_local_workers
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The per-rank values of this file's 2-process runs, in one process pair in turn (tests/batched.py), and the
+    folder each run writes in."""
+    from batched import Case, launch_cases
+    from workers import dumped_deft_run
 
-    results = run_local_workers(_measured_worker, 2, (str(tmp_path),), timeout_s=120)
-    for result in results:
-        names, rows, bars = result.value
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("measured", "recorder", "dumped")}
+    return launch_cases(request, [
+        Case("measured", _measured_worker, (str(folders["measured"]),),
+             tests=("test_measured_timeline_shows_gloo_collectives",)),
+        Case("recorder", _recorder_worker, (str(folders["recorder"]),), tests=("test_step_recorder_sees_every_collective",)),
+        Case("dumped", dumped_deft_run, (str(folders["dumped"]), 4), tests=("test_runtime_dump_folder_describes_the_run",)),
+    ]), folders
+
+
+def test_measured_timeline_shows_gloo_collectives(launched):
+    outcome, folders = launched
+    for rank, (names, rows, bars) in enumerate(outcome("measured")):
         assert "gloo:all_reduce" in names, sorted(names)
         assert "c10d::allreduce_" in names and "_c10d_functional::wait_tensor" in names
-        assert (tmp_path / f"rank{result.rank}.json").exists()
+        assert (folders["measured"] / f"rank{rank}.json").exists()
         # compute row + at least one gloo thread row, each with bars
         assert rows[0] == "compute" and len(rows) >= 2 and all(bars[row] > 0 for row in rows)
 
@@ -191,12 +204,10 @@ def _recorder_worker(rank: int, world_size: int, out: str) -> dict:
             "broadcasts": code.count("_c10d_functional.broadcast"), "waits": code.count("_c10d_functional.wait_tensor")}
 
 
-def test_step_recorder_sees_every_collective(tmp_path):
+def test_step_recorder_sees_every_collective(launched):
     """Every launch, every gloo execution and every wait of the steps recorded is in the timeline."""
-    from deft_compile.tools.launcher import run_local_workers
-
-    for result in run_local_workers(_recorder_worker, 2, (str(tmp_path),), timeout_s=120):
-        report = result.value
+    outcome, _folders = launched
+    for report in outcome("recorder"):
         counts = report["counts"]
         assert report["all_reduces"] >= 2 and report["broadcasts"] >= 1
         assert counts.get("c10d::allreduce_", 0) == 2 * report["all_reduces"], counts
@@ -287,14 +298,13 @@ def test_presets_train_one_step(name):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_runtime_dump_folder_describes_the_run(tmp_path):
+def test_runtime_dump_folder_describes_the_run(launched):
     """A 2-rank deft run with dump_dir: rank 0 writes the plan artifacts, every rank its measured timeline
     (with the gloo all-reduces of the step) and per-pass graphs whose last file is the code that ran."""
-    from deft_compile.tools.launcher import run_local_workers
     from deft_compile.planner.plan import Plan
-    from workers import dumped_deft_run
 
-    results = [r.value for r in run_local_workers(dumped_deft_run, 2, (str(tmp_path), 4), timeout_s=240)]
+    outcome, folders = launched
+    results, tmp_path = outcome("dumped"), folders["dumped"]
     plan_dir = tmp_path / "rank0" / "plan"
     assert Plan.from_json((plan_dir / "plan.json").read_text()).hash() == results[0]["plan_hash"]
     assert json.loads((plan_dir / "timeline_simulated.json").read_text())["traceEvents"]

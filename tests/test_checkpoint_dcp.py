@@ -1,32 +1,40 @@
 """``deft_compile.checkpoint``: a deft step (delaying plan, the Preserver on; SGD with Nesterov momentum and Dropout),
 saved with torch.distributed.checkpoint on 2 ranks and resumed on a fresh process pair, bit-identical to
 the run that never stopped: parameters, gradients, optimizer state, pending gradients, the Preserver's state and
-an LR scheduler saved beside them."""
+an LR scheduler saved beside them. The three runs (straight, saved, resumed) go in one process pair, in turn
+(tests/batched.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from deft_compile.tools.launcher import run_local_workers
+from batched import Case, launch_cases
 from integration_workers import assert_resumed_as_straight, dcp_checkpoint_run
 
 CASE = "mlp_dropout_sgd"
 STOP = 6
+SAVE_AT = [1]
 
 
 @pytest.fixture(scope="module")
-def straight() -> list:
-    return [r.value for r in run_local_workers(dcp_checkpoint_run, 2, (CASE, 0, STOP, None, None), timeout_s=240)]
+def outcome(request, tmp_path_factory):
+    """The per-rank values of each run by key: straight to ``STOP``; to each ``SAVE_AT``, saved; resumed from there."""
+    folder = tmp_path_factory.mktemp("dcp")
+    cases = [Case("straight", dcp_checkpoint_run, (CASE, 0, STOP, None, None),
+                  tests=tuple(f"test_dcp_checkpoint_resumes_bit_identically[{save_at}]" for save_at in SAVE_AT))]
+    for save_at in SAVE_AT:
+        path, test = str(folder / f"ckpt-{save_at}"), (f"test_dcp_checkpoint_resumes_bit_identically[{save_at}]",)
+        cases += [Case(("first", save_at), dcp_checkpoint_run, (CASE, 0, save_at, None, path), tests=test),
+                  Case(("resumed", save_at), dcp_checkpoint_run, (CASE, save_at, STOP, path, None), tests=test)]
+    return launch_cases(request, cases)
 
 
-@pytest.mark.parametrize("save_at", [1])
-def test_dcp_checkpoint_resumes_bit_identically(tmp_path, straight, save_at):
+@pytest.mark.parametrize("save_at", SAVE_AT)
+def test_dcp_checkpoint_resumes_bit_identically(outcome, save_at):
     """Saved after step 1: pending gradients, and the delayed buckets' parameters have no optimizer state yet."""
-    path = str(tmp_path / "ckpt")
-    first = run_local_workers(dcp_checkpoint_run, 2, (CASE, 0, save_at, None, path), timeout_s=240)
-    resumed = run_local_workers(dcp_checkpoint_run, 2, (CASE, save_at, STOP, path, None), timeout_s=240)
+    first, straight, resumed = outcome(("first", save_at)), outcome("straight"), outcome(("resumed", save_at))
     for rank in range(2):
-        saved, expected, actual = first[rank].value, straight[rank], resumed[rank].value
+        saved, expected, actual = first[rank], straight[rank], resumed[rank]
         assert saved["delayed"] > 0 and saved["pending_before_save"] > 0, "the checkpoint must carry pending gradients"
         if save_at == 1:
             assert saved["stateless_params"] > 0, "some parameters must have no optimizer state at the save"

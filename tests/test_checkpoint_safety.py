@@ -10,6 +10,11 @@
 - A checkpoint written the previous way (``torch.save(step.state_dict())``) resumes bit-identically where
   ``weights_only`` reads it; where it does not (a numpy scalar) it is refused with the way to convert it, and
   after ``convert_trusted`` it resumes bit-identically too.
+
+The 2-process runs go in two process pairs, each running its cases in turn (tests/batched.py): the first writes the
+straight runs and the checkpoints of the previous format, tries the refusals and the resumes that need nothing
+converted; the second runs what needs a checkpoint converted or rewritten in this process in between. Each test
+asserts its own runs' results.
 """
 
 from __future__ import annotations
@@ -24,12 +29,12 @@ import numpy
 import pytest
 import torch
 
+from batched import Case, launch_cases
 from checkpoint_safety_workers import (CASE, RunsCode, RunsSystem, dcp_previous_format_run, dcp_refusals,
                                        saved_bytes, trainer_resume_refusals, trainer_variants)
 from deft_compile import step_state
 from deft_compile.errors import DeftError, TornCheckpointError
 from deft_compile.tools.convert_checkpoint import convert_trusted
-from deft_compile.tools.launcher import run_local_workers
 from integration_workers import assert_resumed_as_straight, dcp_checkpoint_run
 from trainer_workers import trainer_checkpoint_run
 
@@ -163,9 +168,74 @@ def test_previous_format_is_converted_as_it_loads_or_refused_with_the_way_to_con
 
 
 # -- both resume paths, 2 gloo processes --------------------------------------------------------------------------
-def test_dcp_checkpoints_that_would_run_code_are_refused_on_every_rank(tmp_path):
-    marker = str(tmp_path / "marker")
-    reports = [r.value for r in run_local_workers(dcp_refusals, 2, (str(tmp_path / "ckpt"), marker), timeout_s=300)]
+DCP_REFUSALS_TEST = "test_dcp_checkpoints_that_would_run_code_are_refused_on_every_rank"
+TRAINER_REFUSALS_TEST = "test_trainer_step_states_that_would_run_code_are_refused_on_every_rank"
+DCP_RESUME_TESTS = {numpy_scalar: f"test_previous_format_dcp_checkpoint_resumes_exactly[{numpy_scalar}]"
+                    for numpy_scalar in (False, True)}
+TRAINER_VARIANTS = ["previous_format", "previous_format_numpy"]
+TRAINER_RESUME_TESTS = {variant: f"test_previous_format_trainer_checkpoint_resumes_exactly[{variant}]"
+                        for variant in TRAINER_VARIANTS}
+TRAINER_TESTS = (TRAINER_REFUSALS_TEST, *TRAINER_RESUME_TESTS.values())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def first(request, folder):
+    """The runs that need nothing from this process: the DCP refusals; the straight DCP and Trainer runs; each DCP
+    checkpoint of the previous format saved after step 1 and, where ``weights_only`` reads it, resumed; the one with
+    a numpy scalar tried as it is (refused, last: a run that raises ends its launch)."""
+    cases = [Case("dcp refusals", dcp_refusals, (str(folder / "refusals"), str(folder / "dcp-marker")),
+                  tests=(DCP_REFUSALS_TEST,)),
+             Case("dcp straight", dcp_checkpoint_run, (CASE, 0, STOP, None, None), tests=tuple(DCP_RESUME_TESTS.values())),
+             Case("trainer straight", trainer_checkpoint_run, (str(folder / "trainer-straight"), None), tests=TRAINER_TESTS)]
+    for numpy_scalar, test in DCP_RESUME_TESTS.items():
+        cases.append(Case(("dcp previous format", numpy_scalar), dcp_previous_format_run,
+                          (CASE, 1, str(folder / f"dcp-{numpy_scalar}"), numpy_scalar), tests=(test,)))
+    cases.append(Case(("dcp resumed", False), dcp_checkpoint_run, (CASE, 1, STOP, str(folder / "dcp-False"), None),
+                      tests=(DCP_RESUME_TESTS[False],)))
+    cases.append(Case(("dcp refused", True), dcp_checkpoint_run, (CASE, 1, STOP, str(folder / "dcp-True"), None),
+                      tests=(DCP_RESUME_TESTS[True],)))
+    return launch_cases(request, cases)
+
+
+@pytest.fixture(scope="module")
+def second(request, folder, first):
+    """The runs of checkpoints this process rewrote after ``first``: the numpy DCP checkpoint after
+    ``convert_trusted``; the Trainer checkpoint of update 3 rewritten into variants (``trainer_variants``) twice: the
+    refused ones of one set tried on every rank, the previous-format ones of the other resumed (the numpy one after
+    conversion). Returns the
+    outcomes and what each conversion gave."""
+    names = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
+    converted: dict[str, list] = {}
+    cases = []
+    if DCP_RESUME_TESTS[True] in names:
+        first.errors(("dcp refused", True))  # the refusal ran before the conversion
+        path = str(folder / "dcp-True")
+        converted["dcp"] = convert_trusted(path)
+        cases.append(Case(("dcp resumed", True), dcp_checkpoint_run, (CASE, 1, STOP, path, None),
+                          tests=(DCP_RESUME_TESTS[True],)))
+    if names & set(TRAINER_TESTS):
+        first("trainer straight")
+        source, marker = str(folder / "trainer-straight" / "checkpoint-3"), str(folder / "trainer-marker")
+        folders = trainer_variants(source, str(folder / "variants-refused"), marker)
+        refusals = {name: folders[name] for name in (*REFUSALS, "rank0_only")}
+        cases.append(Case("trainer refusals", trainer_resume_refusals, (refusals, str(folder / "trainer-out"), marker),
+                          tests=(TRAINER_REFUSALS_TEST,)))
+        folders = trainer_variants(source, str(folder / "variants-resumed"), str(folder / "unused-marker"))
+        converted["trainer"] = convert_trusted(folders["previous_format_numpy"])
+        cases += [Case(("trainer resumed", variant), trainer_checkpoint_run,
+                       (str(folder / f"trainer-{variant}"), folders[variant]), tests=(TRAINER_RESUME_TESTS[variant],))
+                  for variant in TRAINER_VARIANTS]
+    return launch_cases(request, cases), converted
+
+
+def test_dcp_checkpoints_that_would_run_code_are_refused_on_every_rank(first, folder):
+    marker = str(folder / "dcp-marker")
+    reports = first("dcp refusals")
     for rank, report in enumerate(reports):
         assert not report["marker"] and not os.path.exists(marker)
         for name in REFUSALS:
@@ -182,45 +252,28 @@ def test_dcp_checkpoints_that_would_run_code_are_refused_on_every_rank(tmp_path)
     assert reports[1]["rank0_only:untouched"] and reports[0]["rank0_only:untouched"]
 
 
-@pytest.fixture(scope="module")
-def dcp_straight() -> list:
-    return [r.value for r in run_local_workers(dcp_checkpoint_run, 2, (CASE, 0, STOP, None, None), timeout_s=240)]
-
-
 @pytest.mark.parametrize("numpy_scalar", [False, True])
-def test_previous_format_dcp_checkpoint_resumes_exactly(tmp_path, dcp_straight, numpy_scalar):
+def test_previous_format_dcp_checkpoint_resumes_exactly(first, second, folder, numpy_scalar):
     """Saved after step 1 the previous way: read as it is (or, with a numpy scalar, refused, then converted) and
     continued to step 6 bit-identically to the run that never stopped."""
-    path = str(tmp_path / "ckpt")
-    run_local_workers(dcp_previous_format_run, 2, (CASE, 1, path, numpy_scalar), timeout_s=240)
+    first(("dcp previous format", numpy_scalar))
     if numpy_scalar:
-        refused = run_local_workers(dcp_checkpoint_run, 2, (CASE, 1, STOP, path, None), timeout_s=240,
-                                    raise_on_failure=False)
-        for result in refused:
-            assert not result.ok and "DeftError" in result.error and "convert-checkpoint --trust" in result.error
-        assert convert_trusted(path) == [path]
-    resumed = run_local_workers(dcp_checkpoint_run, 2, (CASE, 1, STOP, path, None), timeout_s=240)
+        for error in first.errors(("dcp refused", True)):
+            assert error is not None and "DeftError" in error and "convert-checkpoint --trust" in error, error
+        assert second[1]["dcp"] == [str(folder / "dcp-True")]
+    resumed = (second[0] if numpy_scalar else first)(("dcp resumed", numpy_scalar))
+    dcp_straight = first("dcp straight")
     for rank in range(2):
-        expected, actual = dcp_straight[rank], resumed[rank].value
+        expected, actual = dcp_straight[rank], resumed[rank]
         assert actual["step_count"] == expected["step_count"] == STOP and actual["lr"] == expected["lr"]
         assert_resumed_as_straight(rank, expected, actual)
         drop = lambda state: {k: v for k, v in state.items() if k != "attribution_budget"}  # noqa: E731 (wall clock)
         assert drop(actual["preserver"]) == drop(expected["preserver"])
 
 
-@pytest.fixture(scope="module")
-def trainer_straight(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("trainer_straight")
-    return folder, [r.value for r in run_local_workers(trainer_checkpoint_run, 2, (str(folder), None), timeout_s=300)]
-
-
-def test_trainer_step_states_that_would_run_code_are_refused_on_every_rank(tmp_path, trainer_straight):
-    folder, _straight = trainer_straight
-    marker = str(tmp_path / "marker")
-    folders = trainer_variants(str(folder / "checkpoint-3"), str(tmp_path / "variants"), marker)
-    refusals = {name: folders[name] for name in (*REFUSALS, "rank0_only")}
-    reports = [r.value for r in run_local_workers(trainer_resume_refusals, 2, (refusals, str(tmp_path / "out"), marker),
-                                                  timeout_s=300)]
+def test_trainer_step_states_that_would_run_code_are_refused_on_every_rank(second, folder):
+    marker = str(folder / "trainer-marker")
+    reports = second[0]("trainer refusals")
     for report in reports:
         assert not report["marker"] and not os.path.exists(marker)
         for name in REFUSALS:
@@ -229,18 +282,16 @@ def test_trainer_step_states_that_would_run_code_are_refused_on_every_rank(tmp_p
     assert "1 other rank(s) refused" in reports[1]["rank0_only"]
 
 
-@pytest.mark.parametrize("variant", ["previous_format", "previous_format_numpy"])
-def test_previous_format_trainer_checkpoint_resumes_exactly(tmp_path, trainer_straight, variant):
+@pytest.mark.parametrize("variant", TRAINER_VARIANTS)
+def test_previous_format_trainer_checkpoint_resumes_exactly(first, second, variant):
     """A Trainer checkpoint whose step states were written the previous way resumes to the losses, parameters,
     optimizer state and Preserver state of the run that never stopped (with a numpy scalar: after conversion)."""
-    folder, straight = trainer_straight
-    resume = trainer_variants(str(folder / "checkpoint-3"), str(tmp_path / "variants"), str(tmp_path / "m"))[variant]
+    straight = first("trainer straight")
     if variant == "previous_format_numpy":
-        assert len(convert_trusted(resume)) == 2
-    resumed = run_local_workers(trainer_checkpoint_run, 2, (str(tmp_path / "b"), resume, straight[0]["profile"]),
-                                timeout_s=300)
+        assert len(second[1]["trainer"]) == 2
+    resumed = second[0](("trainer resumed", variant))
     for rank in range(2):
-        expected, actual = straight[rank], resumed[rank].value
+        expected, actual = straight[rank], resumed[rank]
         assert actual["step_count"] == expected["step_count"] == 6
         assert [actual["losses"][t] for t in (4, 5, 6)] == [expected["losses"][t] for t in (4, 5, 6)]
         for name, tensor in expected["params"].items():

@@ -1,7 +1,9 @@
 """DeFT with delayed buckets equals an eager reference of the delayed semantics; checkpoints resume exactly.
 
 World size 2, gloo, real processes; the plan comes from a synthetic slow-link
-profile so the knapsacks really delay some buckets (``step.plan`` says which).
+profile so the knapsacks really delay some buckets (``step.plan`` says which). The aten-route cases run in one
+process pair, in turn (``cases``, tests/batched.py; those with NaN-filled allocations in a second), and each test
+asserts its own cases' results.
 
 SGD must be bit-identical. Adam/AdamW are held to 1e-5 relative here (1e-6 in
 the DDP comparisons): the two sides differ by float32 round-off after the
@@ -15,19 +17,82 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batched import Case, launch_cases
 from bounds import check_within_drift, worst
+from delayed_workers import default_semantics_run
 from deft_compile.tools.launcher import run_local_workers
 from models import CASES
 from workers import (check_entry, checkpoint_run, compare_deft_with_delayed_reference, compare_gpt2_delayed_with_reference,
                      measured_deft_run)
 
 STEPS = 6
+DELAYED_CASES = sorted(c for c in CASES if c != "frozen_unused_sgd")
+CHECKPOINT_SEMANTICS = ["averaged", "local", "compensated"]
+PERIOD_CASES = ["mlp_dropout_sgd", "cnn_batchnorm_adam"]
+LOCAL_CASES = ["mlp_dropout_sgd", "cnn_batchnorm_adam", "transformer_tied_adamw_groups"]
+COMPENSATED_CASES = ["frozen_unused_sgd", "mlp_dropout_sgd", "cnn_batchnorm_adam", "transformer_tied_adamw_groups"]
+#: the default semantics' cases: (case, the explicit setting ``"auto"`` resolves to for its optimizer)
+DEFAULT_CASES = (("frozen_unused_sgd", "compensated"), ("mlp_dropout_rmsprop", "averaged"))
+FILLS = {"": {}, "nan-filled": {"DEFT_FILL_UNINITIALIZED": "1"}}
 
 
-@pytest.fixture(scope="module", params=sorted(c for c in CASES if c != "frozen_unused_sgd"))
-def delayed_report(request):
-    results = run_local_workers(compare_deft_with_delayed_reference, 2, (request.param, STEPS), timeout_s=240)
-    return request.param, [r.value for r in results]
+def cases(folder: str) -> list[Case]:
+    """Every aten-route run of this file, keyed by what it runs; ``folder`` holds the checkpoints."""
+    checkpoint_case = "mlp_dropout_sgd"
+    listed = [Case(("delayed", case), compare_deft_with_delayed_reference, (case, STEPS),
+                   tests=tuple(f"{test}[{case}]" for test in ("test_plan_delays_parameters",
+                                                              "test_matches_eager_delayed_reference_every_step_and_after_flush",
+                                                              "test_every_item_communicates_once_per_step")))
+              for case in DELAYED_CASES]
+    for semantics in CHECKPOINT_SEMANTICS:  # straight through; the first half, saved; the second half, resumed
+        path = f"{folder}/ckpt-{semantics}"
+        test = (f"test_checkpoint_with_pending_gradients_resumes_exactly[{semantics}]",)
+        listed += [Case(("checkpoint", semantics, "straight"), checkpoint_run,
+                        (checkpoint_case, 0, 10, None, None, semantics), tests=test),
+                   Case(("checkpoint", semantics, "first"), checkpoint_run,
+                        (checkpoint_case, 0, 5, None, path, semantics), tests=test),
+                   Case(("checkpoint", semantics, "resumed"), checkpoint_run,
+                        (checkpoint_case, 5, 10, path, None, semantics), tests=test)]
+    listed.append(Case("measured", measured_deft_run, ("mlp_dropout_sgd", 4),
+                       tests=("test_measured_profile_is_agreed_and_followed",)))
+    listed += [Case(("period", case), compare_deft_with_delayed_reference, (case, 9, "deft-period", 3.0),
+                    tests=(f"test_update_period_matches_reference_and_keeps_replicas_identical[{case}]",))
+               for case in PERIOD_CASES]
+    listed.append(Case("second link", compare_deft_with_delayed_reference, ("mlp_dropout_sgd", 5, "deft", 1.5, ("gloo",)),
+                       tests=("test_second_link_carries_bucket_shares",)))
+    listed += [Case(("gpt2", semantics), compare_gpt2_delayed_with_reference, (8, semantics),
+                    tests=(f"test_gpt2_with_tied_embeddings_and_lr_schedule_follows_the_delayed_reference[{semantics}]",))
+               for semantics in ("averaged", "local")]
+    listed += [Case(("local", case), compare_deft_with_delayed_reference, (case, STEPS, "deft", 0.9, (), None, "local"),
+                    tests=(f"test_local_delayed_update_matches_its_reference_and_flush_reunites_replicas[{case}]",))
+               for case in LOCAL_CASES]
+    listed += [Case(("compensated", case), compare_deft_with_delayed_reference,
+                    (case, STEPS, "deft", 0.9, (), None, "compensated"),
+                    tests=(f"test_compensated_delayed_update_matches_its_reference_and_keeps_replicas_identical[{case}]",))
+               for case in COMPENSATED_CASES]
+    listed.append(Case(("averaged", "frozen_unused_sgd"), compare_deft_with_delayed_reference,
+                       ("frozen_unused_sgd", STEPS, "deft", 0.9),
+                       tests=("test_compensated_delayed_update_matches_its_reference_and_keeps_replicas_identical"
+                              "[frozen_unused_sgd]",)))
+    for fill, env in FILLS.items():
+        for case, explicit in DEFAULT_CASES:
+            for semantics in ("auto", explicit):
+                listed.append(Case(("default semantics", fill, case, semantics), default_semantics_run,
+                                   (case, STEPS, semantics, "aten"), env=env,
+                                   tests=(f"test_the_default_semantics_follow_their_eager_references_on_the_aten_route"
+                                          f"[{fill}]",)))
+    return listed
+
+
+@pytest.fixture(scope="module")
+def outcome(request, tmp_path_factory):
+    """The per-rank values of a case of ``cases`` by key (a failed case fails the test that reads it)."""
+    return launch_cases(request, cases(str(tmp_path_factory.mktemp("checkpoints"))))
+
+
+@pytest.fixture
+def delayed_report(outcome, case):
+    return case, outcome(("delayed", case))
 
 
 def _check(entry, exact, where):
@@ -42,6 +107,7 @@ def _check_run(report, exact, where):
     assert report["pending_after_flush"] == []
 
 
+@pytest.mark.parametrize("case", DELAYED_CASES)
 def test_plan_delays_parameters(delayed_report):
     case, per_rank = delayed_report
     report = per_rank[0]
@@ -51,6 +117,7 @@ def test_plan_delays_parameters(delayed_report):
     assert per_rank[0]["delayed"] == per_rank[1]["delayed"]
 
 
+@pytest.mark.parametrize("case", DELAYED_CASES)
 def test_matches_eager_delayed_reference_every_step_and_after_flush(delayed_report):
     case, per_rank = delayed_report
     exact = CASES[case][5]
@@ -62,6 +129,7 @@ def test_matches_eager_delayed_reference_every_step_and_after_flush(delayed_repo
         assert report["pending_after_flush"] == []
 
 
+@pytest.mark.parametrize("case", DELAYED_CASES)
 def test_every_item_communicates_once_per_step(delayed_report):
     _case, per_rank = delayed_report
     for report in per_rank:
@@ -69,18 +137,16 @@ def test_every_item_communicates_once_per_step(delayed_report):
     assert per_rank[0]["collectives"] == per_rank[1]["collectives"]
 
 
-@pytest.mark.parametrize("delayed_update", ["averaged", "local", "compensated"])
-def test_checkpoint_with_pending_gradients_resumes_exactly(tmp_path, delayed_update):
+@pytest.mark.parametrize("delayed_update", CHECKPOINT_SEMANTICS)
+def test_checkpoint_with_pending_gradients_resumes_exactly(outcome, delayed_update):
     """Each rank saves its step (``state_dict()`` communicates nothing) and resumes bit-identically; with
-    ``delayed_update="local"`` each rank's own replica and pending local gradient."""
-    case = "mlp_dropout_sgd"
-    straight = run_local_workers(checkpoint_run, 2, (case, 0, 10, None, None, delayed_update), timeout_s=240)
-    path = str(tmp_path / "ckpt")
-    first = run_local_workers(checkpoint_run, 2, (case, 0, 5, None, path, delayed_update), timeout_s=240)
-    resumed = run_local_workers(checkpoint_run, 2, (case, 5, 10, path, None, delayed_update), timeout_s=240)
+    ``delayed_update="local"`` each rank's own replica and pending local gradient. Three runs of
+    ``mlp_dropout_sgd``: ten steps straight through, the first five saved at the end, the last five resumed from
+    that checkpoint in new step objects."""
+    straight, first, resumed = (outcome(("checkpoint", delayed_update, run)) for run in ("straight", "first", "resumed"))
     for rank in range(2):
-        assert first[rank].value["pending_before_save"] > 0, "the checkpoint must carry pending gradients"
-        expected, actual = straight[rank].value, resumed[rank].value
+        assert first[rank]["pending_before_save"] > 0, "the checkpoint must carry pending gradients"
+        expected, actual = straight[rank], resumed[rank]
         assert actual["step_count"] == expected["step_count"] == 10
         assert expected["state"].keys() == actual["state"].keys()
         for name, tensor in expected["state"].items():
@@ -119,13 +185,12 @@ def test_checkpoint_resumes_bit_identically_on_the_inductor_route(tmp_path, case
             assert torch.equal(tensor, actual["pending"][item]), f"rank {rank}: pending item {item} differs"
 
 
-def test_measured_profile_is_agreed_and_followed():
+def test_measured_profile_is_agreed_and_followed(outcome):
     """No profile given: the first step measures compute and the link on each rank, the ranks agree on the
     maximum, solve the same plan, and training follows that plan's semantics exactly (SGD)."""
     from deft_compile.planner.plan import Profile
 
-    results = run_local_workers(measured_deft_run, 2, ("mlp_dropout_sgd", 4), timeout_s=240)
-    first, second = (r.value for r in results)
+    first, second = outcome("measured")
     assert first["profile"] == second["profile"]
     assert first["plan_hash"] == second["plan_hash"]
     profile = Profile.from_json(first["profile"])
@@ -135,13 +200,12 @@ def test_measured_profile_is_agreed_and_followed():
     assert first["worst_abs"] == 0.0 and second["worst_abs"] == 0.0
 
 
-@pytest.mark.parametrize("case", ["mlp_dropout_sgd", "cnn_batchnorm_adam"])
-def test_update_period_matches_reference_and_keeps_replicas_identical(case):
+@pytest.mark.parametrize("case", PERIOD_CASES)
+def test_update_period_matches_reference_and_keeps_replicas_identical(outcome, case):
     """Coverage rate 3: the solver gives some buckets an update period K > 1. They accumulate K local
     gradients, communicate the sum once and apply one update with the mean; in between their parameters
     do not change, so both ranks hold identical replicas after every flush."""
-    results = run_local_workers(compare_deft_with_delayed_reference, 2, (case, 9, "deft-period", 3.0), timeout_s=240)
-    per_rank = [r.value for r in results]
+    per_rank = outcome(("period", case))
     assert max(per_rank[0]["periods"]) > 1, "the plan should use an update period"
     for rank, report in enumerate(per_rank):
         for entry in report["steps"]:
@@ -151,13 +215,10 @@ def test_update_period_matches_reference_and_keeps_replicas_identical(case):
         assert torch.equal(tensor, per_rank[1]["final_params"][name]), f"replicas differ in {name}"
 
 
-def test_second_link_carries_bucket_shares():
+def test_second_link_carries_bucket_shares(outcome):
     """With a second channel (``DeftConfig(links=("gloo",))``, a second gloo group) DeFT splits buckets
     over both links; each share is all-reduced on its own group and the result still equals the reference."""
-    results = run_local_workers(
-        compare_deft_with_delayed_reference, 2, ("mlp_dropout_sgd", 5, "deft", 1.5, ("gloo",)), timeout_s=240
-    )
-    per_rank = [r.value for r in results]
+    per_rank = outcome("second link")
     assert per_rank[0]["links_used"] == [0, 1]
     assert per_rank[0]["split_params"], "some parameter must be cut between the two links"
     assert len(per_rank[0]["groups_in_graph"]) == 2, per_rank[0]["groups_in_graph"]
@@ -168,7 +229,7 @@ def test_second_link_carries_bucket_shares():
 
 
 @pytest.mark.parametrize("delayed_update", ["averaged", "local"])
-def test_gpt2_with_tied_embeddings_and_lr_schedule_follows_the_delayed_reference(delayed_update):
+def test_gpt2_with_tied_embeddings_and_lr_schedule_follows_the_delayed_reference(outcome, delayed_update):
     """docs/TIME_TO_ACCURACY.md measured a large loss cost of delays on its GPT-2; this rules out a defect: the
     same model (tied embeddings, AdamW, a per-step warm-up schedule through the learning-rate graph input)
     with delayed and synchronous buckets, the tied embedding delayed, follows the eager delayed reference.
@@ -178,8 +239,7 @@ def test_gpt2_with_tied_embeddings_and_lr_schedule_follows_the_delayed_reference
     and the same with a synchronous plan against DDP). Those are bounded in absolute terms (3e-6 seen), far
     below one learning-rate step (peak lr 1e-3); they share their tensor, bucket and update with the query and
     value slices, which the relative bound holds."""
-    results = run_local_workers(compare_gpt2_delayed_with_reference, 2, (8, delayed_update), timeout_s=240)
-    for rank, report in enumerate(r.value for r in results):
+    for rank, report in enumerate(outcome(("gpt2", delayed_update))):
         assert report["tied"]
         assert "model.transformer.wte.weight" in report["delayed"], report["delayed"]
         assert len(report["params"]) > len(report["delayed"]) > 0, "a plan that mixes delayed and synchronous buckets"
@@ -191,15 +251,13 @@ def test_gpt2_with_tied_embeddings_and_lr_schedule_follows_the_delayed_reference
             assert entry["key_bias"]["max_abs"] <= 1e-4, f"{where}: key bias {entry['key_bias']}"
 
 
-@pytest.mark.parametrize("case", ["mlp_dropout_sgd", "cnn_batchnorm_adam", "transformer_tied_adamw_groups"])
-def test_local_delayed_update_matches_its_reference_and_flush_reunites_replicas(case):
+@pytest.mark.parametrize("case", LOCAL_CASES)
+def test_local_delayed_update_matches_its_reference_and_flush_reunites_replicas(outcome, case):
     """``DeftConfig(delayed_update="local")``: a delayed bucket applies g_t + (ḡ_{t-1} − g_{t-1}) with the same
     communication; each rank follows the eager reference of that rule on its own data, the replicas differ
     between flushes (the rule is really local), and ``flush()`` averages them (parameters and optimizer state)
     into identical replicas, as the reference does."""
-    results = run_local_workers(compare_deft_with_delayed_reference, 2,
-                                (case, STEPS, "deft", 0.9, (), None, "local"), timeout_s=240)
-    per_rank = [r.value for r in results]
+    per_rank = outcome(("local", case))
     assert per_rank[0]["delayed"], "the plan must delay buckets for the test to mean anything"
     exact = CASES[case][5]
     for rank, report in enumerate(per_rank):
@@ -222,17 +280,14 @@ def test_local_delayed_update_refuses_accumulation_and_loss_scaling():
         DeftConfig(delayed_update="fresh")
 
 
-@pytest.mark.parametrize("case", ["frozen_unused_sgd", "mlp_dropout_sgd", "cnn_batchnorm_adam",
-                                  "transformer_tied_adamw_groups"])
-def test_compensated_delayed_update_matches_its_reference_and_keeps_replicas_identical(case):
+@pytest.mark.parametrize("case", COMPENSATED_CASES)
+def test_compensated_delayed_update_matches_its_reference_and_keeps_replicas_identical(outcome, case):
     """``DeftConfig(delayed_update="compensated")``: a delayed bucket's forward and backward run at the predicted
     weights and its update takes the Nesterov form of the first moment; every rank follows the eager reference of
     that rule (``workers.CompensatedUpdate``) every step and after flush, SGD bit-identical (heavy-ball momentum
     rewritten; a user's Nesterov kept), Adam with BatchNorm and AdamW to 1e-5, and the replicas stay
     bit-identical."""
-    results = run_local_workers(compare_deft_with_delayed_reference, 2,
-                                (case, STEPS, "deft", 0.9, (), None, "compensated"), timeout_s=240)
-    per_rank = [r.value for r in results]
+    per_rank = outcome(("compensated", case))
     assert per_rank[0]["delayed"], "the plan delays some buckets"
     for rank, report in enumerate(per_rank):
         _check_run(report, CASES[case][5], f"{case} rank {rank}")
@@ -240,8 +295,7 @@ def test_compensated_delayed_update_matches_its_reference_and_keeps_replicas_ide
         assert torch.equal(tensor, per_rank[1]["final_params"][name]), f"replicas differ in {name}"
     if case == "frozen_unused_sgd":
         # the heavy-ball update was rewritten: the compensated run is not the averaged one
-        averaged = [r.value for r in run_local_workers(compare_deft_with_delayed_reference, 2,
-                                                       (case, STEPS, "deft", 0.9), timeout_s=240)]
+        averaged = outcome(("averaged", case))
         assert any(not torch.equal(tensor, averaged[0]["final_params"][name])
                    for name, tensor in per_rank[0]["final_params"].items() if name in per_rank[0]["delayed"])
 
@@ -290,28 +344,22 @@ def test_the_default_semantics_resolve_per_optimizer():
 #: (``torch.utils.deterministic.fill_uninitialized_memory``, on in the workers through DEFT_FILL_UNINITIALIZED)
 KERNEL_SETS = {"native": {}, "scalar-nan-filled": {"ATEN_CPU_CAPABILITY": "default", "DEFT_FILL_UNINITIALIZED": "1",
                                                    "TORCH_COMPILE_CACHE_KEY_TAG": "aten-cpu-capability=default"}}
-DEFAULT_CASES = (("frozen_unused_sgd", "compensated"), ("mlp_dropout_rmsprop", "averaged"))
 
 
-@pytest.mark.parametrize("fill", ["", "nan-filled"])
-def test_the_default_semantics_follow_their_eager_references_on_the_aten_route(fill):
+@pytest.mark.parametrize("fill", sorted(FILLS))
+def test_the_default_semantics_follow_their_eager_references_on_the_aten_route(outcome, fill):
     """With ``DeftConfig()``'s semantics a covered optimizer (SGD with momentum: bit-identical) runs compensated
     delays and an uncovered one (RMSprop) plain averaged delays: each follows the eager reference of the semantics
     it resolved to, every step and after flush, with a plan that delays buckets; the default run is bit-identical to
     an explicit ``"compensated"`` (SGD) and ``"averaged"`` (RMSprop) run. ``nan-filled``: the same with every
     tensor ATen allocates uninitialized filled with NaN, so a value read before it is written shows."""
-    from delayed_workers import default_semantics_run
-
-    env = {"DEFT_FILL_UNINITIALIZED": "1"} if fill else {}
     for case, explicit in DEFAULT_CASES:
-        default = [r.value for r in run_local_workers(default_semantics_run, 2, (case, STEPS, "auto", "aten"),
-                                                      timeout_s=240, env=env)]
+        default = outcome(("default semantics", fill, case, "auto"))
         for rank, report in enumerate(default):
             assert report["delayed"], f"{case}: the plan delays some buckets"
             assert report["fills_uninitialized"] == bool(fill)
             _check_run(report, case == "frozen_unused_sgd", f"{case} aten rank {rank}")
-        chosen = [r.value for r in run_local_workers(default_semantics_run, 2, (case, STEPS, explicit, "aten"),
-                                                     timeout_s=240, env=env)]
+        chosen = outcome(("default semantics", fill, case, explicit))
         for name, tensor in default[0]["final_params"].items():
             assert torch.equal(tensor, chosen[0]["final_params"][name]), f"{case}: auto is not {explicit} in {name}"
 

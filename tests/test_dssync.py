@@ -1,13 +1,28 @@
-"""DS-Sync: each step averages within a small group that reshuffles; flush() restores one model (4 workers)."""
+"""DS-Sync: each step averages within a small group that reshuffles; flush() restores one model (4 workers).
+
+The 2-process runs go in one process pair, in turn (``CASE_LIST``, tests/batched.py), and each test asserts its own
+run's results."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from batched import Case, launch_cases
 from deft_compile.tools.launcher import run_local_workers
 from deft_compile.planner.solvers import dssync_partition
 from workers import dssync_buffer_groups, dssync_run
+
+AVERAGES = ["gradients", "parameters"]
+CASE_LIST = [Case(("buffer groups", average), dssync_buffer_groups, (average,),
+                  tests=(f"test_dssync_broadcasts_buffers_in_its_own_groups_and_opens_no_buffer_group[{average}]",))
+             for average in AVERAGES]
+
+
+@pytest.fixture(scope="module")
+def outcome(request):
+    """The per-rank values of a run of ``CASE_LIST`` by key (a failed run fails the test that reads it)."""
+    return launch_cases(request, CASE_LIST)
 
 
 def test_partition_is_a_seeded_shuffle_of_disjoint_groups():
@@ -45,11 +60,11 @@ def test_dssync_averages_within_the_planned_group_and_flush_restores_one_model(a
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("average", ["gradients", "parameters"])
-def test_dssync_broadcasts_buffers_in_its_own_groups_and_opens_no_buffer_group(average):
+@pytest.mark.parametrize("average", AVERAGES)
+def test_dssync_broadcasts_buffers_in_its_own_groups_and_opens_no_buffer_group(outcome, average):
     """DS-Sync's buffers go within the step's group (its graph's collectives use no other group), so the step
     does not open the buffer broadcast's group that synchronous steps on the same model open."""
-    for report in (r.value for r in run_local_workers(dssync_buffer_groups, 2, (average,), timeout_s=240)):
+    for report in outcome(("buffer groups", average)):
         assert report["wfbp_buffer_group"] and not report["dssync_buffer_group"], report
         used = set(report["groups"]["all_reduce"]) | set(report["groups"]["broadcast"])
         assert used <= {report["step_group"]}, report

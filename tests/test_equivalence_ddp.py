@@ -3,7 +3,8 @@
 SGD cases must be bit-identical. Adam/AdamW cases are compared to 1e-6 relative
 (largest difference over a tensor divided by its largest magnitude), because the
 captured Adam evaluates its bias corrections in float32 tensors (capturable form)
-where eager uses Python floats.
+where eager uses Python floats. The runs go in one process pair, in turn (tests/batched.py), and each test asserts
+its own run's results.
 """
 
 from __future__ import annotations
@@ -13,18 +14,33 @@ import re
 
 import pytest
 
-from deft_compile.tools.launcher import run_local_workers
+from batched import Case, launch_cases
 from models import CASES
-from workers import compare_with_ddp
+from workers import capture_counts, compare_with_ddp
 
 STEPS = 10
+#: the tests that read each case's run of ``compare_with_ddp``
+CASE_TESTS = ("test_matches_ddp_after_every_step", "test_one_graph_per_phase", "test_dump_describes_the_graph_that_ran")
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case_report(request, tmp_path_factory):
-    dump_dir = tmp_path_factory.mktemp(request.param)
-    results = run_local_workers(compare_with_ddp, 2, (request.param, STEPS, str(dump_dir)), timeout_s=240)
-    return request.param, [r.value for r in results], dump_dir
+@pytest.fixture(scope="module")
+def dump_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("dumps")
+
+
+@pytest.fixture(scope="module")
+def outcome(request, dump_root):
+    """The per-rank values of each run by key (a failed run fails the test that reads it): every case beside DDP,
+    dumping its graphs under ``dump_root/<case>``, and the capture count of a tiny step."""
+    listed = [Case(case, compare_with_ddp, (case, STEPS, str(dump_root / case)),
+                   tests=tuple(f"{test}[{case}]" for test in CASE_TESTS)) for case in sorted(CASES)]
+    listed.append(Case("capture counts", capture_counts, tests=("test_the_first_step_traces_once",)))
+    return launch_cases(request, listed)
+
+
+@pytest.fixture(params=sorted(CASES))
+def case_report(request, outcome, dump_root):
+    return request.param, outcome(request.param), dump_root / request.param
 
 
 def test_matches_ddp_after_every_step(case_report):
@@ -76,9 +92,7 @@ def _op_sequence(code: str) -> list[str]:
     return re.findall(r"torch\.ops\.[\w.]+(?=\()", code)
 
 
-def test_the_first_step_traces_once():
+def test_the_first_step_traces_once(outcome):
     """Planning (profile, plan) and compiling the first step share one capture, and the graph is reused."""
-    from workers import capture_counts
-
-    for result in run_local_workers(capture_counts, 2, timeout_s=120):
-        assert result.value == [1, 1, 1]
+    for counts in outcome("capture counts"):
+        assert counts == [1, 1, 1]

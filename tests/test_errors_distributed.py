@@ -27,8 +27,11 @@ def test_dead_peer_is_named():
     assert time.monotonic() - started < 60
 
 
-def test_hung_peer_times_out_and_is_named():
-    results = run_local_workers(dead_peer, 2, ("hangs",), timeout_s=120, collective_timeout_s=3, raise_on_failure=False)
+def test_hung_peer_times_out_and_is_named(tmp_path):
+    """Rank 1 stops answering after its first step (until rank 0 has given up on it: ``dead_peer``)."""
+    results = run_local_workers(dead_peer, 2, ("hangs", str(tmp_path / "released")), timeout_s=120,
+                                collective_timeout_s=3, raise_on_failure=False)
+    assert results[1].value == "slept", results[1].error
     message = results[0].value
     assert message is not None and message.startswith("PeerFailureError"), results[0].error
     assert "rank 1 did not respond" in message

@@ -10,6 +10,8 @@
 - Resuming a ``DeftTrainer`` checkpoint (a delaying ``deft`` plan with pending gradients, the Preserver on) on a fresh
   process pair continues bit-identically: losses, parameters, optimizer state, the Preserver's state.
 - Unsupported ``TrainingArguments`` raise clear errors at construction.
+
+The 2-process runs go in one process pair, in turn (tests/batched.py), and each test asserts its own run's results.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batched import Case, launch_cases
 from deft_compile.tools.launcher import run_local_workers
 from trainer_workers import trainer_against_ddp, trainer_checkpoint_run, trainer_refusals
 
@@ -27,10 +30,27 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+AGAINST_DDP_TESTS = ("test_wfbp_equals_plain_trainer_update_by_update", "test_one_all_reduce_per_bucket_per_update",
+                     "test_ddp_of_compiled_under_trainer_communicates_once")
+RESUME_TESTS = ("test_resume_from_trainer_checkpoint_is_exact",)
+
+
 @pytest.fixture(scope="module")
-def against_ddp(tmp_path_factory) -> list[dict]:
-    folder = str(tmp_path_factory.mktemp("trainer"))
-    return [r.value for r in run_local_workers(trainer_against_ddp, 2, (folder,), timeout_s=300)]
+def outcome(request, tmp_path_factory):
+    """The per-rank values of each 2-process run by key (a failed run fails the test that reads it): the trainers
+    beside DDP; a checkpointing run from the start (``straight``) and one resumed from its checkpoint of update 3."""
+    folder = tmp_path_factory.mktemp("trainer")
+    return launch_cases(request, [
+        Case("against ddp", trainer_against_ddp, (str(folder / "ddp"),), tests=AGAINST_DDP_TESTS),
+        Case("straight", trainer_checkpoint_run, (str(folder / "a"), None), tests=RESUME_TESTS),
+        Case("resumed", trainer_checkpoint_run, (str(folder / "b"), str(folder / "a" / "checkpoint-3")),
+             tests=RESUME_TESTS),
+    ])
+
+
+@pytest.fixture
+def against_ddp(outcome) -> list[dict]:
+    return outcome("against ddp")
 
 
 def test_wfbp_equals_plain_trainer_update_by_update(against_ddp):
@@ -66,12 +86,11 @@ def test_ddp_of_compiled_under_trainer_communicates_once(against_ddp):
             assert _rel(a, b) <= 1e-5
 
 
-def test_resume_from_trainer_checkpoint_is_exact(tmp_path):
-    straight = run_local_workers(trainer_checkpoint_run, 2, (str(tmp_path / "a"), None), timeout_s=300)
-    resumed = run_local_workers(trainer_checkpoint_run, 2, (str(tmp_path / "b"), str(tmp_path / "a" / "checkpoint-3"),
-                                                            straight[0].value["profile"]), timeout_s=300)
+def test_resume_from_trainer_checkpoint_is_exact(outcome):
+    straight, resumed = outcome("straight"), outcome("resumed")
     for rank in range(2):
-        expected, actual = straight[rank].value, resumed[rank].value
+        expected, actual = straight[rank], resumed[rank]
+        assert actual["profile"] == expected["profile"], "both runs plan from the same profile"
         assert expected["delayed"] >= 1 and expected["saved_pending"] >= 1 and expected["saved_step_count"] == 3
         assert expected["global_step"] == actual["global_step"] == 6
         assert actual["step_count"] == expected["step_count"] == 6 and actual["pending_at_end"] == []

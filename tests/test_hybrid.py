@@ -1,4 +1,7 @@
-"""DeFT's delayed buckets with the synchronous rest on a priority schedule (``synchronous_schedule``)."""
+"""DeFT's delayed buckets with the synchronous rest on a priority schedule (``synchronous_schedule``).
+
+The 2-process runs go in one process pair, in turn (``CASE_LIST``, tests/batched.py), and each test asserts its own
+run's results."""
 
 from __future__ import annotations
 
@@ -9,8 +12,24 @@ import pytest
 from deft_compile.planner.plan import BEFORE_FORWARD_PREFIX, UPDATE_AT_NEXT_STEP, LinkCost
 from deft_compile.planner.solvers import solve, with_priority_synchronous
 from deft_compile.planner.zoo_profiles import build_profile
-from deft_compile.tools.launcher import run_local_workers
-from workers import check_entry, hybrid_vs_reference
+from batched import Case, launch_cases
+from workers import check_entry, closed_loop_hybrid_run, hybrid_vs_reference
+
+HYBRID_CASES = [("mlp_dropout_sgd", "bytescheduler"), ("cnn_batchnorm_adam", "usbyte"),
+                ("transformer_tied_adamw_groups", "bytescheduler")]
+CASE_LIST = ([Case(("hybrid", case, schedule), hybrid_vs_reference, (case, 6, schedule),
+                   tests=(f"test_numbers_are_the_delayed_semantics_and_ddps[{case}-{schedule}]",))
+              for case, schedule in HYBRID_CASES]
+             + [Case("closed loop", closed_loop_hybrid_run, (40,),
+                     tests=("test_the_closed_loop_carries_a_later_plan_with_delays_on_the_fastest_priority_schedule",)),
+                Case("closed loop without priority schedule", closed_loop_hybrid_run, (40, False),
+                     tests=("test_without_priority_schedule_a_later_plan_with_delays_keeps_ddps_buckets",))])
+
+
+@pytest.fixture(scope="module")
+def outcome(request):
+    """The per-rank values of a run of ``CASE_LIST`` by key (a failed run fails the test that reads it)."""
+    return launch_cases(request, CASE_LIST)
 
 
 def _profile():
@@ -71,10 +90,9 @@ def test_bad_schedules_and_several_links_are_refused():
         solve(two_links, "deft", synchronous_schedule="bytescheduler")
 
 
-@pytest.mark.parametrize("case,schedule", [("mlp_dropout_sgd", "bytescheduler"), ("cnn_batchnorm_adam", "usbyte"),
-                                           ("transformer_tied_adamw_groups", "bytescheduler")])
-def test_numbers_are_the_delayed_semantics_and_ddps(case, schedule):
-    results = [r.value for r in run_local_workers(hybrid_vs_reference, 2, (case, 6, schedule), timeout_s=240)]
+@pytest.mark.parametrize("case,schedule", HYBRID_CASES)
+def test_numbers_are_the_delayed_semantics_and_ddps(outcome, case, schedule):
+    results = outcome(("hybrid", case, schedule))
     for rank, report in enumerate(results):
         assert report["options"]["synchronous_schedule"] == schedule
         assert report["delayed_items"] > 0 and report["next_forward_items"] > 0, report
@@ -85,10 +103,8 @@ def test_numbers_are_the_delayed_semantics_and_ddps(case, schedule):
         assert report["pending_after_flush"] == []
 
 
-def test_the_closed_loop_carries_a_later_plan_with_delays_on_the_fastest_priority_schedule():
-    from workers import closed_loop_hybrid_run
-
-    results = [r.value for r in run_local_workers(closed_loop_hybrid_run, 2, (40,), timeout_s=240)]
+def test_the_closed_loop_carries_a_later_plan_with_delays_on_the_fastest_priority_schedule(outcome):
+    results = outcome("closed loop")
     for report in results:
         settled = report["settled_policy"]
         assert settled in ("bytescheduler", "usbyte"), report["history"]
@@ -103,10 +119,8 @@ def test_the_closed_loop_carries_a_later_plan_with_delays_on_the_fastest_priorit
     assert results[0]["replan"]["hash"] == results[1]["replan"]["hash"]
 
 
-def test_without_priority_schedule_a_later_plan_with_delays_keeps_ddps_buckets():
-    from workers import closed_loop_hybrid_run
-
-    for report in [r.value for r in run_local_workers(closed_loop_hybrid_run, 2, (40, False), timeout_s=240)]:
+def test_without_priority_schedule_a_later_plan_with_delays_keeps_ddps_buckets(outcome):
+    for report in outcome("closed loop without priority schedule"):
         assert report["settled_policy"] in ("bytescheduler", "usbyte") and report["priority_schedule"] is None
         replan = report["replan"]
         assert replan["delayed"] > 0 and "synchronous_schedule" not in replan["options"], replan

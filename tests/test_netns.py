@@ -113,18 +113,24 @@ def test_names_are_unique_and_foreign_namespaces_are_untouched():
 
 @pytest.mark.parametrize("how", ["sigterm", "atexit"])
 def test_process_exit_removes_its_namespaces(how: str):
+    """The child makes a namespace, names it, and then either sleeps until SIGTERM or, once this process has seen
+    the namespace and answered on its stdin, returns (its exit handlers run)."""
     code = (
         "import sys, time\n"
         "from deft_compile.tools.netns import ShapedLoopback\n"
         "lo = ShapedLoopback().__enter__()\n"
         "print(lo.name, flush=True)\n"
-        f"time.sleep(30 if {how == 'sigterm'!r} else 0)\n"
+        f"time.sleep(30) if {how == 'sigterm'!r} else sys.stdin.readline()\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=REPO)
     name = child.stdout.readline().strip()
     assert name and _exists(name)
     if how == "sigterm":
         child.send_signal(signal.SIGTERM)
+    else:
+        child.stdin.write("exit\n")
+        child.stdin.close()
     child.wait(timeout=20)
     if how == "sigterm":
         assert child.returncode == -signal.SIGTERM

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deft_compile.step.profiler import measure_node_times
@@ -26,27 +27,32 @@ def test_the_live_model_and_random_state_are_untouched():
     assert torch.equal(rng, torch.get_rng_state())
 
 
-def test_the_contention_probe_agrees_across_ranks_and_reports_none_it_cannot_time():
+@pytest.fixture(scope="module")
+def outcome(request):
+    """The per-rank values of the 2-process runs, in one process pair in turn (tests/batched.py)."""
+    from batched import Case, launch_cases
+    from workers import contention_config_run, contention_probe_run
+
+    return launch_cases(request, [
+        Case("probe", contention_probe_run,
+             tests=("test_the_contention_probe_agrees_across_ranks_and_reports_none_it_cannot_time",)),
+        Case("config", contention_config_run, tests=("test_the_step_takes_its_contention_from_the_config",))])
+
+
+def test_the_contention_probe_agrees_across_ranks_and_reports_none_it_cannot_time(outcome):
     """2 gloo workers: ``Profile.contention`` from a matmul loop beside one all-reduce is a share in [0, 1],
     the same number on both ranks (each plans from it); a message too short to time reports 0."""
-    from deft_compile.tools.launcher import run_local_workers
-    from workers import contention_probe_run
-
-    results = [r.value for r in run_local_workers(contention_probe_run, 2, (), timeout_s=120)]
+    results = outcome("probe")
     assert results[0] == results[1]
     assert 0.0 <= results[0]["large"] <= 1.0 and results[0]["tiny"] == 0.0
 
 
-def test_the_step_takes_its_contention_from_the_config():
+def test_the_step_takes_its_contention_from_the_config(outcome):
     """``DeftConfig.contention``: 0 by default (an accelerator's), a given share as given, None measured (the
     test's small model sends messages too short to time: 0). Out of [0, 1] is refused."""
-    import pytest
-
     from deft_compile import DeftConfig
-    from deft_compile.tools.launcher import run_local_workers
-    from workers import contention_config_run
 
-    results = [r.value for r in run_local_workers(contention_config_run, 2, (), timeout_s=180)]
+    results = outcome("config")
     assert results[0] == results[1] == {"default": 0.0, "given": 0.25, "measured": 0.0}
     with pytest.raises(ValueError, match="contention"):
         DeftConfig(contention=1.5)

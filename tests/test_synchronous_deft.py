@@ -7,15 +7,29 @@ staleness measurements (its synchronous start, on a profile whose unpriced plan 
 every delay out), forced plan switches and flushes in the middle of training. Parameters, gradients and
 optimizer state are compared with DDP's after every step (a parameter whose update the plan moved into the next
 call with DDP's previous step): within float32 round-off of the capturable update (1e-5 relative), where a
-learning rate one step off moves AdamW's parameters by 3e-2 relative within two steps.
+learning rate one step off moves AdamW's parameters by 3e-2 relative within two steps. Both runs go in one process
+pair, in turn (tests/batched.py), and each test asserts its own run's results.
 """
 
 from __future__ import annotations
 
-from deft_compile.tools.launcher import run_local_workers
+import pytest
+
+from batched import Case, launch_cases
 from workers import check_entry, synchronous_deft_beside_ddp
 
 STEPS = 12
+SWITCHES = {3: "bytescheduler", 6: "usbyte", 9: "wfbp"}
+CASE_LIST = [Case("closed loop", synchronous_deft_beside_ddp, (STEPS, True, None, (7,)),
+                  tests=("test_closed_loop_trials_and_preserver_probes_leave_ddps_numbers",)),
+             Case("forced switches", synchronous_deft_beside_ddp, (STEPS, False, SWITCHES, (4, 7)),
+                  tests=("test_forced_switches_between_synchronous_plans_and_flushes_leave_ddps_numbers",))]
+
+
+@pytest.fixture(scope="module")
+def outcome(request):
+    """The per-rank values of a run of ``CASE_LIST`` by key (a failed run fails the test that reads it)."""
+    return launch_cases(request, CASE_LIST)
 
 
 def _check(report: dict, where: str) -> None:
@@ -29,18 +43,13 @@ def _check(report: dict, where: str) -> None:
     assert all(share > 0 for share in report["largest_share"]), (where, report["probes"], report["largest_share"])
 
 
-def test_closed_loop_trials_and_preserver_probes_leave_ddps_numbers():
-    for rank, result in enumerate(run_local_workers(synchronous_deft_beside_ddp, 2, (STEPS, True, None, (7,)),
-                                                    timeout_s=300)):
-        report = result.value
+def test_closed_loop_trials_and_preserver_probes_leave_ddps_numbers(outcome):
+    for rank, report in enumerate(outcome("closed loop")):
         assert {"bytescheduler", "usbyte"} <= set(report["policies"]), report["history"]
         _check(report, f"rank {rank}")
 
 
-def test_forced_switches_between_synchronous_plans_and_flushes_leave_ddps_numbers():
-    switches = {3: "bytescheduler", 6: "usbyte", 9: "wfbp"}
-    for rank, result in enumerate(run_local_workers(synchronous_deft_beside_ddp, 2, (STEPS, False, switches, (4, 7)),
-                                                    timeout_s=300)):
-        report = result.value
+def test_forced_switches_between_synchronous_plans_and_flushes_leave_ddps_numbers(outcome):
+    for rank, report in enumerate(outcome("forced switches")):
         assert report["switches"] == 3 and {"bytescheduler", "usbyte", "wfbp"} <= set(report["policies"])
         _check(report, f"rank {rank}")

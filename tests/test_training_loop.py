@@ -1,7 +1,8 @@
 """The loop features every trainer uses: clipping, accumulation, mixed precision with loss scaling, model outputs.
 
 One-process tests compare with plain eager training; two-process tests (gloo) with torch DDP, or with the eager
-reference of DeFT's delayed semantics (``workers.PlanReference``).
+reference of DeFT's delayed semantics (``workers.PlanReference``). The two-process runs go in one process pair, in
+turn (``CASE_LIST``, tests/batched.py), and each test asserts its own run's results.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from batched import Case, launch_cases
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.errors import LossError
-from deft_compile.tools.launcher import run_local_workers
 from loop_workers import accumulation_with_ddp, clip_with_ddp, delayed_reference_run, loss_scaling_with_ddp
 from workers import check_entry, compare_policy_with_ddp
 
@@ -267,10 +268,36 @@ def test_options_a_policy_cannot_honour_are_refused() -> None:
 
 
 # -- two processes ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case, exact", [("mlp_dropout_sgd", True), ("transformer_tied_adamw_groups", False)])
-def test_clipping_equals_ddp_then_clip_grad_norm(case: str, exact: bool) -> None:
-    for rank, result in enumerate(run_local_workers(clip_with_ddp, 2, (case, 6, 0.05), timeout_s=240)):
-        report = result.value
+CLIP_CASES = [("mlp_dropout_sgd", True), ("transformer_tied_adamw_groups", False)]
+SEMANTICS = ["averaged", "compensated"]
+DTYPES = ["float16", "bfloat16"]
+CASE_LIST = (
+    [Case(("clip", case), clip_with_ddp, (case, 6, 0.05),
+          tests=(f"test_clipping_equals_ddp_then_clip_grad_norm[{case}-{exact}]",)) for case, exact in CLIP_CASES]
+    + [Case(("clip", policy), compare_policy_with_ddp, ("mlp_dropout_sgd", 5, policy, 0.05),
+            tests=(f"test_clipping_under_per_layer_policies_equals_ddp[{policy}]",)) for policy in ("bytescheduler", "usbyte")]
+    + [Case(("clip delayed", semantics), delayed_reference_run, ("mlp_dropout_sgd", 6, "deft", 0.05, 1, semantics),
+            tests=(f"test_clipping_with_delayed_buckets_matches_the_delayed_reference[{semantics}]",))
+       for semantics in SEMANTICS]
+    + [Case("accumulation", accumulation_with_ddp, ("mlp_dropout_sgd", 6, 3, "wfbp"),
+            tests=("test_accumulation_equals_ddp_no_sync",))]
+    + [Case(("accumulation delayed", semantics), delayed_reference_run, ("mlp_dropout_sgd", 9, "deft", None, 3, semantics),
+            tests=(f"test_accumulation_with_delayed_buckets_matches_the_delayed_reference[{semantics}]",))
+       for semantics in SEMANTICS]
+    + [Case(("loss scaling", dtype), loss_scaling_with_ddp, (8, 4, dtype),
+            tests=(f"test_loss_scaling_equals_ddp_with_grad_scaler[{dtype}]",)) for dtype in DTYPES]
+)
+
+
+@pytest.fixture(scope="module")
+def outcome(request):
+    """The per-rank values of a run of ``CASE_LIST`` by key (a failed run fails the test that reads it)."""
+    return launch_cases(request, CASE_LIST)
+
+
+@pytest.mark.parametrize("case, exact", CLIP_CASES)
+def test_clipping_equals_ddp_then_clip_grad_norm(outcome, case: str, exact: bool) -> None:
+    for rank, report in enumerate(outcome(("clip", case))):
         assert report["collectives"] >= 2
         for entry in report["steps"]:
             check_entry(entry, exact, f"{case} rank {rank} step {entry['step']}")
@@ -279,25 +306,20 @@ def test_clipping_equals_ddp_then_clip_grad_norm(case: str, exact: bool) -> None
 
 
 @pytest.mark.parametrize("policy", ["bytescheduler", "usbyte"])
-def test_clipping_under_per_layer_policies_equals_ddp(policy: str) -> None:
+def test_clipping_under_per_layer_policies_equals_ddp(outcome, policy: str) -> None:
     """Updates deferred to the next forward clip what they apply: still DDP + clip_grad_norm_'s numbers."""
-    results = run_local_workers(compare_policy_with_ddp, 2, ("mlp_dropout_sgd", 5, policy, 0.05), timeout_s=240)
-    for rank, result in enumerate(results):
-        report = result.value
+    for rank, report in enumerate(outcome(("clip", policy))):
         assert any(entry["deferred"] for entry in report["steps"]), "the plan must defer updates"
         for entry in report["steps"]:
             check_entry(entry, True, f"{policy} rank {rank} step {entry['step']}")
         check_entry(report["final"], True, f"{policy} rank {rank} after flush")
 
 
-@pytest.mark.parametrize("delayed_update", ["averaged", "compensated"])
-def test_clipping_with_delayed_buckets_matches_the_delayed_reference(delayed_update) -> None:
+@pytest.mark.parametrize("delayed_update", SEMANTICS)
+def test_clipping_with_delayed_buckets_matches_the_delayed_reference(outcome, delayed_update) -> None:
     """Clipping under deft clips what each update applies: fresh buckets and arrived delayed ones (with the
     compensated semantics, the delayed gradient clipped before its Nesterov-form update)."""
-    results = run_local_workers(delayed_reference_run, 2, ("mlp_dropout_sgd", 6, "deft", 0.05, 1, delayed_update),
-                                timeout_s=240)
-    for rank, result in enumerate(results):
-        report = result.value
+    for rank, report in enumerate(outcome(("clip delayed", delayed_update))):
         assert report["delayed_items"] >= 1
         for entry in report["steps"]:
             check_entry(entry, True, f"rank {rank} step {entry['step']}")
@@ -306,11 +328,9 @@ def test_clipping_with_delayed_buckets_matches_the_delayed_reference(delayed_upd
         check_entry(report["final"], True, f"rank {rank} after flush")
 
 
-def test_accumulation_equals_ddp_no_sync() -> None:
+def test_accumulation_equals_ddp_no_sync(outcome) -> None:
     policy = "wfbp"  # deft's delayed buckets under accumulation: the next test, against the delayed reference
-    results = run_local_workers(accumulation_with_ddp, 2, ("mlp_dropout_sgd", 6, 3, policy), timeout_s=240)
-    for rank, result in enumerate(results):
-        report = result.value
+    for rank, report in enumerate(outcome("accumulation")):
         assert len(report["steps"]) == 2
         for entry in report["steps"]:
             assert "error" not in entry, entry
@@ -318,15 +338,12 @@ def test_accumulation_equals_ddp_no_sync() -> None:
             check_entry(entry, False, f"{policy} rank {rank} step {entry['step']}", tolerance=1e-6)
 
 
-@pytest.mark.parametrize("delayed_update", ["averaged", "compensated"])
-def test_accumulation_with_delayed_buckets_matches_the_delayed_reference(delayed_update) -> None:
+@pytest.mark.parametrize("delayed_update", SEMANTICS)
+def test_accumulation_with_delayed_buckets_matches_the_delayed_reference(outcome, delayed_update) -> None:
     """Delayed buckets under accumulation communicate once per cycle, overlapping the next cycle's first
     micro-batch, and are applied at its update point (docs/POLICIES.md); compensated, every micro-batch of the
     cycle runs at the predicted weights."""
-    results = run_local_workers(delayed_reference_run, 2, ("mlp_dropout_sgd", 9, "deft", None, 3, delayed_update),
-                                timeout_s=240)
-    for rank, result in enumerate(results):
-        report = result.value
+    for rank, report in enumerate(outcome(("accumulation delayed", delayed_update))):
         assert report["delayed_items"] >= 1
         assert [e["updated"] for e in report["steps"]] == [t % 3 == 2 for t in range(9)]
         for entry in report["steps"]:
@@ -334,13 +351,12 @@ def test_accumulation_with_delayed_buckets_matches_the_delayed_reference(delayed
         check_entry(report["final"], False, f"rank {rank} after flush", tolerance=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_loss_scaling_equals_ddp_with_grad_scaler(dtype: str) -> None:
-    results = run_local_workers(loss_scaling_with_ddp, 2, (8, 4, dtype), timeout_s=240)
-    for rank, result in enumerate(results):
-        for entry in result.value["steps"]:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_loss_scaling_equals_ddp_with_grad_scaler(outcome, dtype: str) -> None:
+    for rank, report in enumerate(outcome(("loss scaling", dtype))):
+        for entry in report["steps"]:
             check_entry(entry, True, f"{dtype} rank {rank} step {entry['step']}")
             assert entry["scales"][0] == entry["scales"][1]
             assert entry["loss_diff"] == 0.0
-        skipped = [entry["skipped"] for entry in result.value["steps"]]
+        skipped = [entry["skipped"] for entry in report["steps"]]
         assert skipped[4] == (dtype == "float16") and not skipped[3]

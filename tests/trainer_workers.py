@@ -172,12 +172,13 @@ def trainer_against_ddp(rank: int, world_size: int, output_dir: str) -> dict:
 
 
 def delaying_profile(model, batch: dict, world_size: int):
-    """A deterministic profile of ``model`` whose DeFT plan delays buckets (as ``workers.synthetic_profile``)."""
+    """A deterministic profile of ``model`` whose DeFT plan delays buckets (as ``workers.synthetic_profile``; its
+    sizes captured once per test session: ``workers._sizes_profile``)."""
     from deft_compile.planner.plan import LinkCost
-    from deft_compile.step.profiler import profile_model
+    from workers import _sizes_profile
 
     scratch = copy.deepcopy(model)
-    profile = profile_model(scratch, torch.optim.AdamW(scratch.parameters()), None, (), batch, measure=False)
+    profile = _sizes_profile(scratch, torch.optim.AdamW(scratch.parameters()), None, batch, keyword=True)
     params = [dataclasses.replace(p, forward_ms=0.2 + p.numel * 1e-4, backward_ms=0.4 + p.numel * 2e-4, update_ms=0.01)
               for p in profile.params]
     compute = sum(p.forward_ms + p.backward_ms for p in params)
@@ -189,7 +190,7 @@ def trainer_checkpoint_run(rank: int, world_size: int, output_dir: str, resume: 
                            profile_json: str | None = None) -> dict:
     """``DeftTrainer(policy="deft")`` with a delaying plan and the Preserver on, 6 updates with a checkpoint every
     3; with ``resume``, continued from that checkpoint folder. ``profile_json``: the profile to plan from (default:
-    ``delaying_profile``, one more trace of the model)."""
+    ``delaying_profile``)."""
     _as_torchrun(rank, world_size)
     import transformers
 

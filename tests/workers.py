@@ -132,8 +132,9 @@ def mismatched_models(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def dead_peer(rank: int, world_size: int, mode: str) -> str:
-    """Rank 1 dies (or hangs) after one step; rank 0's next step must fail and name rank 1."""
+def dead_peer(rank: int, world_size: int, mode: str, released: str | None = None) -> str:
+    """Rank 1 dies (or hangs) after one step; rank 0's next step must fail and name rank 1. Hanging, rank 1 answers
+    nothing until rank 0 has its error and creates the file ``released`` (12 s at most; without ``released``, 12 s)."""
     import os
     import time
 
@@ -143,12 +144,17 @@ def dead_peer(rank: int, world_size: int, mode: str) -> str:
     if rank == 1:
         if mode == "dies":
             os._exit(3)
-        time.sleep(12)
+        deadline = time.monotonic() + 12
+        while time.monotonic() < deadline and not (released is not None and os.path.exists(released)):
+            time.sleep(0.05)
         return "slept"
     try:
         step(*batch)
     except Exception as exc:  # noqa: BLE001 - the test inspects the type and message
         return f"{type(exc).__name__}: {exc}"
+    finally:
+        if released is not None:
+            Path(released).touch()
     return "no error"
 
 
@@ -180,7 +186,7 @@ def compare_with_eager(case: str, steps: int, batches=None, optimizer_override=N
     return report
 
 
-def _profile_cache_file(model, optimizer, loss_fn, batch):
+def _profile_cache_file(model, optimizer, loss_fn, batch, keyword: bool = False):
     """Where ``synthetic_profile`` and ``delaying_profile`` keep the measured-free profile of this model's step for the rest of the session
     (``DEFT_TEST_PROFILE_CACHE``, a folder tests/conftest.py makes per run; None without it): the file is named by
     everything the capture's sizes and order depend on (the module tree, each parameter's and buffer's name, shape,
@@ -199,21 +205,23 @@ def _profile_cache_file(model, optimizer, loss_fn, batch):
         [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
         [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
         type(optimizer).__qualname__, getattr(loss_fn, "__qualname__", repr(loss_fn)),
-        [(tuple(t.shape), str(t.dtype)) for t in tensors],
+        [(tuple(t.shape), str(t.dtype)) for t in tensors], keyword,
     ))
     return Path(folder) / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
-def _sizes_profile(model, optimizer, loss_fn, batch):
+def _sizes_profile(model, optimizer, loss_fn, batch, keyword: bool = False):
     """``profile_model(..., measure=False)`` of this step, read from the session's cache where a launch of the same
-    model captured it already (``_profile_cache_file``), else captured and written there."""
+    model captured it already (``_profile_cache_file``), else captured and written there. ``keyword``: ``batch`` is a
+    dict of the model's keyword inputs (no loss_fn: the model returns its loss)."""
     from deft_compile.planner.plan import Profile
     from deft_compile.step.profiler import profile_model
 
-    cached = _profile_cache_file(model, optimizer, loss_fn, batch)
+    cached = _profile_cache_file(model, optimizer, loss_fn, batch, keyword)
     if cached is not None and cached.exists():
         return Profile.from_json(cached.read_text())
-    profile = profile_model(model, optimizer, loss_fn, batch, measure=False)
+    profile = (profile_model(model, optimizer, loss_fn, (), batch, measure=False) if keyword else
+               profile_model(model, optimizer, loss_fn, batch, measure=False))
     if cached is not None:  # written whole, then renamed: a concurrent reader sees all of it or nothing
         partial = cached.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(profile.to_json())
@@ -1536,15 +1544,3 @@ def contention_config_run(rank: int, world_size: int) -> dict:
         step(*make_batch(torch.Generator().manual_seed(rank)))
         found[label] = step.profile.contention
     return found
-
-
-def launch_facts(rank: int, world_size: int, name: str) -> dict:
-    """What a worker sees of its start: the environment variable ``name``, its pid, its intra-op threads, and
-    one all-reduce across the group."""
-    import os
-
-    import torch.distributed as dist
-
-    total = torch.tensor([float(rank + 1)])
-    dist.all_reduce(total)
-    return {"value": os.environ.get(name), "pid": os.getpid(), "sum": total.item(), "threads": torch.get_num_threads()}
