@@ -203,31 +203,10 @@ class PreserverMonitor:
         started = time.perf_counter()
         state = self.step.graph.captured.model_state
         watched = sorted({p for item in self.step.items for p in item.params})
-        metric, by_tensor = None, None
-        if self.config.trade:  # prices in the optimizer's own metric (Adam: √P-weighted); the veto thresholds are not
-            by_tensor = update_metric(self.step.optimizer)
-            metric = {i: by_tensor[state.params[i]] for i in watched if state.params[i] in by_tensor}
-        gradients: dict[int, torch.Tensor] | None = {} if self.config.trade and self._narrowed() else None
-        buffers = dict(zip(state.buffer_names, state.buffers))
         passes = 1 if self._measuring == "wire" else 2
-        if passes == 1:  # the wire only: this step's gradient at the weights it left
-            change: dict[int, tuple[float, float]] = {}
-            grads = batch_gradients(self.step.model, state.param_names, state.params, buffers, self.step.loss_fn,
-                                    args, kwargs, watched)
-            gradients = {p: g for p, g in zip(watched, grads) if g is not None}
-        else:
-            change = same_batch_gradient_change(self.step.model, state.param_names, self._before, state.params,
-                                                buffers, self.step.loss_fn, args, kwargs, watched, metric,
-                                                keep=gradients)
-        if self.config.trade and change:  # priced at the scheduler's base rate (``staleness.rate_scales``)
-            scales = rate_scales(self.step.optimizer)
-            change = {p: (moved * scales.get(state.params[p], 1.0) ** 2, size) for p, (moved, size) in change.items()}
-        wire_row: list[float] = []
-        if gradients is not None:  # the 16-bit wire's error on this gradient (preserver.wire_error)
-            dtypes = self.trader.wire_dtypes()
-            chosen = [gradients.get(p) for p in watched]
-            weights = metric_weights(self.step.optimizer, [state.params[p] for p in watched], chosen, by_tensor)
-            wire_row = cast_error_norms(chosen, self.step.world_size, dtypes, weights)
+        dtypes = self.trader.wire_dtypes() if self.config.trade and self._narrowed() else None
+        change, wire_row = measure_step(self.step, watched, None if passes == 1 else self._before, args, kwargs,
+                                        trade=self.config.trade, wire_dtypes=dtypes)
         recomputed = time.perf_counter() - started
         self.measurements["wire" if passes == 1 else "staleness"] += 1
         self.budget.pass_seconds = recomputed / passes  # one forward and backward: a paired replay's unit of work
@@ -493,3 +472,35 @@ class PreserverMonitor:
 def _schedule(plan: Plan) -> list[dict]:
     """What runs: a plan's items. Options (and so the hash) change with every decision; the items may not."""
     return [item.to_dict() for item in plan.items]
+
+
+def measure_step(step: WatchedStep, watched: list[int], before: list[torch.Tensor] | None, args: tuple, kwargs: dict,
+                 *, trade: bool, wire_dtypes: list[str] | None) -> tuple[dict[int, tuple[float, float]], list[float]]:
+    """One measurement on this rank: per watched captured index (‖Δg‖², ‖g‖²) between the weights ``before`` and
+    the step's (none where ``before`` is None: one pass at the step's weights, for the wire alone), priced in the
+    optimizer's metric and at the scheduler's base rate in ``trade`` mode (``staleness.update_metric``,
+    ``rate_scales``); and with ``wire_dtypes``, the cast error norms of that gradient (``wire_error``)."""
+    state = step.graph.captured.model_state
+    metric, by_tensor = None, None
+    if trade:  # prices in the optimizer's own metric (Adam: √P-weighted); the veto thresholds are not
+        by_tensor = update_metric(step.optimizer)
+        metric = {i: by_tensor[state.params[i]] for i in watched if state.params[i] in by_tensor}
+    gradients: dict[int, torch.Tensor] | None = {} if wire_dtypes else None
+    buffers = dict(zip(state.buffer_names, state.buffers))
+    if before is None:  # the wire only: this step's gradient at the weights it left
+        change: dict[int, tuple[float, float]] = {}
+        grads = batch_gradients(step.model, state.param_names, state.params, buffers, step.loss_fn, args, kwargs,
+                                watched)
+        gradients = {p: g for p, g in zip(watched, grads) if g is not None}
+    else:
+        change = same_batch_gradient_change(step.model, state.param_names, before, state.params, buffers,
+                                            step.loss_fn, args, kwargs, watched, metric, keep=gradients)
+    if trade and change:  # priced at the scheduler's base rate (``staleness.rate_scales``)
+        scales = rate_scales(step.optimizer)
+        change = {p: (moved * scales.get(state.params[p], 1.0) ** 2, size) for p, (moved, size) in change.items()}
+    wire_row: list[float] = []
+    if wire_dtypes:  # the 16-bit wire's error on this gradient (preserver.wire_error)
+        chosen = [gradients.get(p) for p in watched]
+        weights = metric_weights(step.optimizer, [state.params[p] for p in watched], chosen, by_tensor)
+        wire_row = cast_error_norms(chosen, step.world_size, wire_dtypes, weights)
+    return change, wire_row
