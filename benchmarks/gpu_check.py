@@ -365,13 +365,14 @@ def part_accuracy(device, tiny: bool, checks: Checks, out_dir: Path, compiler: s
                floors, f"<= {LOSS_BOUND:.4g} (else the bound cannot tell a defect from round-off)")
 
     # the synchronous step through the closed loop's trials and the Preserver's probes: deft's defaults, with a
-    # staleness price that keeps every delay out and no update periods; on a CPU host the trials start at fixed
+    # staleness price that keeps every delay out, no update periods, and no trade margin (the Preserver skips a
+    # measurement whose price cannot change its decision, ``Trader.staleness_can_pay``); on a CPU host the trials start at fixed
     # steps (windows of 5 steps whatever their length), on a GPU the windows are the defaults' (>= 200 ms)
     loop = ClosedLoopConfig() if device.type == "cuda" else ClosedLoopConfig(min_window_ms=0.0)
     model = build()
     step = deft_compile(model, optimizer_of(model), None, policy="deft", config=DeftConfig(
         compiler=compiler, plan_options={"allow_period": False}, closed_loop=loop,
-        preserver=PreserverConfig(staleness_price=1e9)))
+        preserver=PreserverConfig(staleness_price=1e9, trade_margin=0.0)))
     losses, ran, segments, all_synchronous = [], [], set(), True
     started = time.perf_counter()
     for inputs, targets in batches:
