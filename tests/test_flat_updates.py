@@ -62,6 +62,17 @@ def _drift(build, make_optimizer, loss, batches, skip=lambda name: False) -> flo
                for (name, a), b in zip(compiled.named_parameters(), eager.parameters()) if not skip(name))
 
 
+def _gpt() -> GPT2Style:
+    torch.manual_seed(0)
+    return GPT2Style(vocab=64, dim=32, heads=2, layers=2, context=32)
+
+
+def _token_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, 64, (4, 17), generator=data) for _ in range(steps)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
 def _update_compiles(step) -> int:
     return sum(1 for entry in step.lowering.history if entry["region"].startswith("('update'"))
 
@@ -76,17 +87,10 @@ def test_every_parameter_of_an_optimizer_form_shares_one_compile():
     """A GPT with AdamW in two weight-decay groups: 16 parameters of 8 shapes, two optimizer forms; each form's
     update compiles once (the state exists from the first capture, ``optim_support.initialize_state``), and the
     numbers are the aten route's to round-off."""
-    data = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, 64, (4, 17), generator=data) for _ in range(4)]
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-    def gpt() -> GPT2Style:
-        torch.manual_seed(0)
-        return GPT2Style(vocab=64, dim=32, heads=2, layers=2, context=32)
-
+    batches = _token_batches(4)
     runs = {}
     for compiler in ("inductor", "aten"):
-        model = gpt()
+        model = _gpt()
         runs[compiler] = (model, _train(model, _adamw_groups(model), compiler, batches))
     model, step = runs["inductor"]
     assert len({tuple(p.shape) for p in model.parameters()}) >= 6
@@ -94,7 +98,7 @@ def test_every_parameter_of_an_optimizer_form_shares_one_compile():
     # the attention's key bias has a round-off gradient, which Adam turns into steps of size lr in any two
     # implementations (docs/ARCHITECTURE.md, "Exactness"): left out, here and in the yardstick
     key_bias = lambda name: name.endswith("c_attn.bias")  # noqa: E731
-    drift = _drift(gpt, _adamw_groups, lambda m, inputs, targets: m(inputs, targets), batches, key_bias)
+    drift = _drift(_gpt, _adamw_groups, lambda m, inputs, targets: m(inputs, targets), batches, key_bias)
     aten_params = runs["aten"][0].parameters()
     differences = {name: _relative(a.detach(), b.detach())
                    for (name, a), b in zip(model.named_parameters(), aten_params) if not key_bias(name)}
@@ -179,13 +183,10 @@ def _bucket_views_worker(rank: int, world_size: int, steps: int) -> dict:
     """wfbp on a small GPT with one AdamW group, 2 ranks on the same batches: each parameter's gradient reaches
     its update as a view into its bucket's flat buffer, most at a nonzero storage offset. Inductor's and aten's
     parameters after ``steps`` steps, and the update compiles."""
-    data = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, 64, (4, 17), generator=data) for _ in range(steps)]
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    batches = _token_batches(steps)
     params, compiles = {}, {}
     for compiler in ("inductor", "aten"):
-        torch.manual_seed(0)
-        model = GPT2Style(vocab=64, dim=32, heads=2, layers=2, context=32)
+        model = _gpt()
         step = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), compiler, batches)
         params[compiler] = {name: p.detach().clone() for name, p in model.named_parameters()}
         compiles[compiler] = _update_compiles(step)
@@ -202,17 +203,9 @@ def test_parameters_whose_gradients_are_bucket_views_share_one_compile():
     steps = 3
     result = run_local_workers(_bucket_views_worker, 2, (steps,), timeout_s=600)[0].value
     assert result["update_compiles"] == 1, result["update_compiles"]
-    data = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, 64, (4, 17), generator=data) for _ in range(steps)]
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-    def gpt() -> GPT2Style:
-        torch.manual_seed(0)
-        return GPT2Style(vocab=64, dim=32, heads=2, layers=2, context=32)
-
     key_bias = lambda name: name.endswith("c_attn.bias")  # noqa: E731 - see the groups test above
-    drift = _drift(gpt, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
-                   lambda m, inputs, targets: m(inputs, targets), batches, key_bias)
+    drift = _drift(_gpt, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
+                   lambda m, inputs, targets: m(inputs, targets), _token_batches(steps), key_bias)
     differences = {name: _relative(result["params"]["inductor"][name], result["params"]["aten"][name])
                    for name in result["params"]["aten"] if not key_bias(name)}
     worst = max(differences, key=differences.get)

@@ -128,7 +128,8 @@ def batch_gradients(
 ) -> tuple[torch.Tensor | None, ...]:
     """This batch's gradient of each watched parameter (None where the loss does not use it) with every parameter
     at ``values`` (in ``param_names`` order): one eager forward and backward pass with the step's dropout seed."""
-    leaves = [v.detach().requires_grad_(i in watched) for i, v in enumerate(values)]
+    chosen = set(watched)
+    leaves = [v.detach().requires_grad_(i in chosen) for i, v in enumerate(values)]
     with torch.enable_grad():
         loss = _loss_at(model, param_names, leaves, buffers, loss_fn, args, kwargs)
         return torch.autograd.grad(loss, [leaves[i] for i in watched], allow_unused=True)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from deft_compile.preserver.staleness import seeded_loss
+from deft_compile.preserver.staleness import _SECOND_MOMENT, batch_gradients, update_metric
 
 
 def metric_weights(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
@@ -22,8 +22,6 @@ def metric_weights(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     P = 1 / (√v̂ + eps), for the optimizers that divide by a second moment (Adam, AdamW, RMSprop, Adagrad):
     ``staleness.update_metric``'s (``metric`` where the caller has it), or from g² where the optimizer holds no
     second moment yet (Adam's bias-corrected v̂ after its first step). None for the others (SGD: the plain norm)."""
-    from deft_compile.preserver.staleness import _SECOND_MOMENT, update_metric
-
     if not any(isinstance(optimizer, cls) for cls in _SECOND_MOMENT):
         return [None] * len(params)
     if metric is None:
@@ -63,17 +61,12 @@ def cast_error_norms(gradients: Sequence[torch.Tensor | None], world_size: int, 
 def step_gradients(model: torch.nn.Module, names: Sequence[str], params: Sequence[torch.Tensor],
                    buffers: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor] | None, args: tuple,
                    kwargs: dict[str, Any]) -> list[torch.Tensor | None]:
-    """This rank's gradient of the step's loss on its inputs at the current weights, eagerly (``seeded_loss``:
+    """This rank's gradient of the step's loss on its inputs at the current weights, eagerly (``staleness.batch_gradients``:
     the buffers cloned, random numbers from a forked generator, no ``.grad`` touched). None for a parameter the
     loss does not reach or that does not train."""
-    leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
-    trained = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
-    tensors = dict(zip(names, leaves))
-    tensors.update({name: buffer.clone() for name, buffer in buffers.items()})
-    with torch.enable_grad():
-        loss = seeded_loss(model, tensors, loss_fn, args, kwargs)
-        grads = torch.autograd.grad(loss, [leaves[i] for i in trained], allow_unused=True)
-    out: list[torch.Tensor | None] = [None] * len(leaves)
+    trained = [i for i, p in enumerate(params) if p.requires_grad]
+    grads = batch_gradients(model, names, params, buffers, loss_fn, args, kwargs, trained)
+    out: list[torch.Tensor | None] = [None] * len(params)
     for i, g in zip(trained, grads):
         out[i] = g
     return out
