@@ -253,7 +253,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "deft-compensated-no-preserver": {"delayed_update": "compensated", "preserver": False},
     "deft-compensated-delays": {"delayed_update": "compensated", "preserver": False,
                                 "plan_options": {"allow_period": False}},
-    # peers at a high coverage rate: DDP with gradient compression (fp16: gloo refuses bf16's hook; PowerSGD)
+    # peers at a high coverage rate: DDP with gradient compression (fp16; PowerSGD). DDP refuses a hook named
+    # bf16_compress_hook on a CPU build of torch, although gloo all-reduces bfloat16 (docs/POLICIES.md)
     "ddp-fp16": {"ddp": {"hook": "fp16"}},
     "ddp-powersgd": {"ddp": {"hook": "powersgd"}},
     # post-local SGD, stock torch (``post_localSGD_hook`` on a one-rank subgroup, ``PostLocalSGDOptimizer`` with a

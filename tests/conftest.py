@@ -55,11 +55,15 @@ for _folder in (_ROOT / "benchmarks", _ROOT / "examples"):
         sys.path.append(str(_folder))
 
 # one folder per run for tests/workers.synthetic_profile's profiles (the xdist workers and their gloo workers inherit
-# it): a case's profile is captured once per run, not once per rank and launch
+# it): a case's profile is captured once per run, not once per rank and launch; the process that made the folder
+# removes it when it exits
 if not os.environ.get("DEFT_TEST_PROFILE_CACHE"):
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["DEFT_TEST_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="deft-test-profiles-")
+    atexit.register(shutil.rmtree, os.environ["DEFT_TEST_PROFILE_CACHE"], ignore_errors=True)
 
 if os.environ.get("DEFT_TEST_SPAWN", "") in ("", "0"):
     from deft_compile.tools import launcher

@@ -8,10 +8,13 @@ import pytest
 
 from deft_compile.preserver import Preserver, PreserverConfig
 from deft_compile.preserver.pricing import (
+    NOISE_CAP,
     ProbeSchedule,
     StalenessPricer,
+    noise_ratios,
     prior_update_prices,
     progress_shares,
+    skipped_share,
     update_shares,
 )
 
@@ -45,6 +48,58 @@ def test_pricer_prices_the_median_of_a_full_window():
     clone = StalenessPricer(2.0, 3)
     clone.load_state_dict(pricer.state_dict())
     assert clone.prices(10.0) == pricer.prices(10.0)
+
+
+def test_noise_ratios_measure_the_gradient_noise_of_the_all_reduced_step():
+    """Ranks' gradients G + noise with known variance: the ranks' mean squared norm and the squared norm of their mean
+    give b = tr(Σ of the mean) / ‖G‖² within sampling error; no noise gives 0, noise alone the cap, one rank
+    nothing."""
+    import torch
+
+    torch.manual_seed(0)
+    size, ranks, sigma = 200_000, 4, 0.02
+    true = torch.randn(size) * 0.01  # ‖G‖² = 20; tr(Σ) of one rank's gradient = size σ² = 80
+    grads = [true + sigma * torch.randn(size) for _ in range(ranks)]
+    local = sum(float(g.double().square().sum()) for g in grads) / ranks
+    mean = float(torch.stack(grads).mean(0).double().square().sum())
+    expected = size * sigma ** 2 / ranks / float(true.double().square().sum())  # 1.0
+    assert noise_ratios({"w": local}, {"w": mean}, ranks)["w"] == pytest.approx(expected, rel=0.05)
+    exact = float(true.double().square().sum())
+    assert noise_ratios({"w": exact}, {"w": exact}, ranks) == {"w": 0.0}
+    pure = [sigma * torch.randn(size) for _ in range(2)]
+    assert noise_ratios({"w": sum(float(g.square().sum()) for g in pure) / 2},
+                        {"w": float(((pure[0] + pure[1]) / 2).square().sum()) * 0.9}, 2) == {"w": NOISE_CAP}
+    assert noise_ratios({"w": 0.0}, {"w": 0.0}, 2) == {"w": 0.0}
+    assert noise_ratios({"w": 2.0}, {"w": 1.0}, 1) == {}
+
+
+def test_a_period_loses_less_of_a_noisy_gradients_progress():
+    """An update with the mean of K gradients is worth (1 + b)/(1 + b/K) updates: a period K loses (K - 1)/(K + b)
+    of the parameter's share of progress, (1 - 1/K) with an exact gradient."""
+    assert skipped_share(2, 0.0) == 0.5 and skipped_share(4, 0.0) == 0.75
+    assert skipped_share(2, 2.0) == pytest.approx(0.25) and skipped_share(4, 12.0) == pytest.approx(3 / 16)
+    assert skipped_share(1, 5.0) == 0.0
+
+
+def test_the_pricer_keeps_the_median_noise_ratio_beside_the_prices():
+    pricer = StalenessPricer(price_factor=1.0, window=3)
+    for noise in (4.0, 90.0, 6.0):
+        pricer.observe({"a": (1.0, 4.0), "b": (0.0, 1.0)}, {"a": noise, "b": 0.5})
+    staleness, updates, ratios = pricer.prices(step_ms=10.0)
+    assert ratios == {"a": 6.0, "b": 0.5}
+    clone = StalenessPricer(1.0, 3)
+    clone.load_state_dict(pricer.state_dict())
+    assert clone.prices(10.0) == pricer.prices(10.0)
+    unmeasured = StalenessPricer(1.0, 1)
+    unmeasured.observe({"a": (1.0, 4.0)})
+    assert len(unmeasured.prices(10.0)) == 2, "no noise measured: the update prices stand alone"
+    preserver = Preserver(PreserverConfig(staleness_window=1), base_options={"bucket_cap_bytes": 2}, max_period=4)
+    prices = preserver.trade(5, {"a": (1.0, 4.0)}, step_ms=10.0, noise={"a": 3.0})
+    assert preserver.priced_options(prices)["update_noise"] == {"a": 3.0}
+    preserver.record_trade(5, prices, {}, "test")
+    restored = Preserver(PreserverConfig(staleness_window=1), base_options={"bucket_cap_bytes": 2}, max_period=4)
+    restored.load_state_dict(preserver.state_dict())
+    assert restored.options["update_noise"] == {"a": 3.0} == preserver.options["update_noise"]
 
 
 def test_probes_back_off_while_stable_and_return_after_a_change():
@@ -167,6 +222,11 @@ def test_the_price_of_a_plan_counts_delays_periods_and_skipped_updates():
                                       + (1 - 1 / i.period) * len(i.slices) * 0.2 for i in plan.items))
     # a measured step in place of the prediction, priced the same way
     assert priced_cost_ms(plan, names, staleness, updates, 16.0, step_ms=20.0) == pytest.approx(20.0 / (1 - price / 16.0))
+    # with noise ratios, a period skips (K - 1)/(K + b) of the updates' progress
+    noise = {n: 3.0 for n in names}
+    assert plan_price_ms(plan, names, staleness, updates, noise) == pytest.approx(
+        sum((i.delay + (i.period - 1) / 2) * len(i.slices) * 0.1
+            + (i.period - 1) / (i.period + 3.0) * len(i.slices) * 0.2 for i in plan.items))
 
 
 def test_priced_cost_counts_each_bucket_once_with_its_delay_and_period():

@@ -164,6 +164,22 @@ def test_priced_buckets_get_no_period() -> None:
     assert all(item.period == 1 and item.delay == 0 for item in stale.items)
 
 
+def test_a_period_pays_where_the_gradients_are_noisy() -> None:
+    """The same update prices refuse a period with exact gradients and buy one where the measured noise ratio says
+    a mean of K gradients is worth nearly K updates (``update_noise``); the noise ratios are plan options."""
+    params = [ParamProfile(f"p{i}", 1_000_000, "float32", 1.0, 1.0, 0.0, layer=7 - i) for i in range(8)]
+    profile = Profile(params, [LinkCost("l", 0.1, 1e-6)])  # 4 ms per bucket, 32 ms vs 16 ms compute
+    options = {"first_bucket_bytes": 4_000_000, "bucket_cap_bytes": 4_000_000, "max_staleness": 1,
+               "update_prices": {f"p{i}": 2.0 for i in range(8)}}  # all of them: the compute step
+    exact = solve(profile, "deft", **options)
+    assert all(item.period == 1 for item in exact.items), exact.table(profile)
+    noisy = solve(profile, "deft", update_noise={f"p{i}": 5.0 for i in range(8)}, **options)
+    assert any(item.period > 1 for item in noisy.items), noisy.table(profile)
+    assert noisy.options["update_noise"] == {f"p{i}": 5.0 for i in range(8)}
+    assert noisy.predicted_iteration_ms < exact.predicted_iteration_ms
+    assert "update_noise" not in exact.options and exact.hash() != noisy.hash()
+
+
 def test_a_bucket_larger_than_either_phase_is_still_delayed() -> None:
     """One large bucket whose communication exceeds T_F and T_B alone but not their sum: the knapsacks cannot place
     it, the whole-suffix candidate delays it from the start of the next forward, and the simulator keeps it."""

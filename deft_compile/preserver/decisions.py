@@ -77,6 +77,10 @@ from deft_compile.preserver.verdict import Stability
 log = logging.getLogger("deft_compile")
 
 
+#: the solver options a trade's prices fill, in the order ``StalenessPricer.prices`` gives them
+PRICE_KEYS = ("staleness_prices", "update_prices", "update_noise")
+
+
 @dataclass(frozen=True)
 class PreserverConfig:
     """Thresholds of the Preserver (on by default for ``policy="deft"``). The rules at length: docs/POLICIES.md,
@@ -226,7 +230,7 @@ class PreserverEvent:
 
     def __str__(self) -> str:
         options = dict(self.options)
-        for key in ("staleness_prices", "update_prices"):  # one number per parameter: summarised
+        for key in PRICE_KEYS:  # one number per parameter: summarised
             if key in options:
                 options[key] = f"<{len(options[key])} parameters>"
         return f"step {self.step}: {self.reason} -> level {self.level} {options}"
@@ -269,6 +273,8 @@ class Preserver:
         self.prices: dict[str, float] = {}  # adopted staleness prices (trade mode), ms per step per step of staleness
         # adopted update prices (trade mode): ms per step that losing all of a parameter's updates costs
         self.update_prices: dict[str, float] = dict(self.prior_update_prices) if self.config.trade else {}
+        # adopted gradient noise ratios (trade mode): what share of its updates' progress a period loses
+        self.update_noise: dict[str, float] = {}
         self.traded = False  # a staleness measurement has priced the delays (trade mode)
         # trade mode: "" while decisions are open; "synchronous" (final: no delays, no more proposals) or "kept"
         # (final: the running plan with delays stays), with why; probing stops once settled
@@ -316,7 +322,7 @@ class Preserver:
         staleness prices (trade mode)."""
         if self.settled == "synchronous" or (self.config.trade and self.start_synchronous and not self.traded):
             return {**self.unpriced_options(), "max_staleness": 0}
-        return self.priced_options((self.prices, self.update_prices))
+        return self.priced_options((self.prices, self.update_prices, self.update_noise))
 
     def unpriced_options(self) -> dict[str, Any]:
         """Solver options of the current level with the pinned parameters kept synchronous, without prices."""
@@ -347,6 +353,7 @@ class Preserver:
             "probes": self.probes.state_dict(),
             "prices": dict(self.prices),
             "update_prices": dict(self.update_prices),
+            "update_noise": dict(self.update_noise),
             "traded": self.traded,
             "settled": self.settled,
             "settled_why": self.settled_why,
@@ -366,6 +373,7 @@ class Preserver:
             self.probes.load_state_dict(state["probes"])
             self.prices = {name: float(v) for name, v in state["prices"].items()}
             self.update_prices = {name: float(v) for name, v in state["update_prices"].items()}
+            self.update_noise = {name: float(v) for name, v in state.get("update_noise", {}).items()}
             self.traded = bool(state.get("traded", True))
             self.settled, self.settled_why = str(state.get("settled", "")), str(state.get("settled_why", ""))
             self.stability.confirmations = int(state.get("confirmations", 0))
@@ -472,27 +480,29 @@ class Preserver:
             step, f"{'; '.join(parts)}; re-planning with {len(self.pinned)} parameter(s) kept synchronous", metrics
         )
 
-    def trade(self, step: int, changes: dict[str, tuple[float, float]],
-              step_ms: float) -> tuple[dict[str, float], dict[str, float]] | None:
-        """Trade mode: one measurement of every parameter's (‖Δg‖², ‖g‖²) on a minibatch, summed over ranks.
-        Returns (staleness prices, update prices) to plan with once every parameter has a full window, else
-        None. The caller (the monitor) solves with them and calls ``adopt`` (``record=True`` if the schedule
+    def trade(self, step: int, changes: dict[str, tuple[float, float]], step_ms: float,
+              noise: dict[str, float] | None = None) -> tuple[dict[str, float], ...] | None:
+        """Trade mode: one measurement of every parameter's (‖Δg‖², ‖g‖²) on a minibatch, summed over ranks, and
+        where the ranks' gradients were compared, their noise ratios (``pricing.noise_ratios``). Returns
+        (staleness prices, update prices[, noise ratios]) to plan with once every parameter has a full window,
+        else None. The caller (the monitor) solves with them and calls ``adopt`` (``record=True`` if the schedule
         changes)."""
-        self.pricer.observe(changes)
+        self.pricer.observe(changes, noise)
         self.staleness_log.append((step, {name: round(share, 6) for name, share in progress_shares(changes).items()}))
         return self.pricer.prices(step_ms) if self.pricer.ready else None
 
-    def priced_options(self, prices: tuple[dict[str, float], dict[str, float]]) -> dict[str, Any]:
-        """The options the current level would have with ``prices`` adopted (nothing changes)."""
+    def priced_options(self, prices: tuple[dict[str, float], ...]) -> dict[str, Any]:
+        """The options the current level would have with ``prices`` (staleness prices, update prices and
+        optionally noise ratios) adopted (nothing changes)."""
         options = self.unpriced_options()
         if options.get("max_staleness", 1) != 0:  # empty price maps are left out (unpriced plans keep their hash)
-            options.update({key: dict(value) for key, value in zip(("staleness_prices", "update_prices"), prices)
-                            if value})
+            options.update({key: dict(value) for key, value in zip(PRICE_KEYS, prices) if value})
         return options
 
-    def adopt(self, prices: tuple[dict[str, float], dict[str, float]]) -> None:
+    def adopt(self, prices: tuple[dict[str, float], ...]) -> None:
         """Take ``prices`` as the current trade (the options the standing decision solves with)."""
         self.prices, self.update_prices = dict(prices[0]), dict(prices[1])
+        self.update_noise = dict(prices[2]) if len(prices) > 2 else {}
         self.traded = True
 
     def record_trade(self, step: int, prices: tuple[dict[str, float], dict[str, float]], metrics: dict[str, Any],

@@ -36,6 +36,7 @@ from deft_compile.preserver.attribution import Schedule, Snapshot, kept_batch, l
 from deft_compile.preserver.admission import PlainAdmission
 from deft_compile.preserver.budget import AttributionBudget
 from deft_compile.preserver.decisions import Preserver, PreserverEvent
+from deft_compile.preserver.pricing import noise_ratios
 from deft_compile.preserver.staleness import (batch_gradients, predicted_weights, rate_scales,
                                               same_batch_gradient_change, update_metric)
 from deft_compile.preserver.trade import Trader
@@ -98,6 +99,7 @@ class PreserverMonitor:
         self.budget = AttributionBudget(self.config.attribution_budget)
         self._no_copy_because = ""
         self.wire_sums: tuple[list[str], list[float]] | None = None  # the last measurement's, for the wire's judge
+        self.noise: dict[str, float] | None = None  # the last measurement's noise ratios, for the trade's update prices
         # the trade's decisions (preserver.trade); plain delays are admitted by a paired replay (preserver.admission)
         admission = (PlainAdmission(self.budget, self.config.admission_steps, self.config.check_every)
                      if preserver.plain_delays else None)
@@ -205,19 +207,25 @@ class PreserverMonitor:
         watched = sorted({p for item in self.step.items for p in item.params})
         passes = 1 if self._measuring == "wire" else 2
         dtypes = self.trader.wire_dtypes() if self.config.trade and self._narrowed() else None
-        change, wire_row = measure_step(self.step, watched, None if passes == 1 else self._before, args, kwargs,
-                                        trade=self.config.trade, wire_dtypes=dtypes)
+        noise = passes == 2 and self.config.trade and self.step.world_size > 1 and periods_allowed(
+            self.preserver.unpriced_options())
+        change, wire_row, kept = measure_step(self.step, watched, None if passes == 1 else self._before, args, kwargs,
+                                              trade=self.config.trade, wire_dtypes=dtypes, keep=noise)
+        self.budget.pass_seconds = (time.perf_counter() - started) / passes  # a paired replay's unit of work
+        noise_row = rank_gradient_norms(self.step, watched, kept) if noise else []
         recomputed = time.perf_counter() - started
         self.measurements["wire" if passes == 1 else "staleness"] += 1
-        self.budget.pass_seconds = recomputed / passes  # one forward and backward: a paired replay's unit of work
         probe_ms = 1e3 * (recomputed + self._clone_seconds)
         means = self._all_rank_mean([change.get(p, (0.0, 0.0))[k] for k in (0, 1) for p in watched] + wire_row
-                                    + [probe_ms])
-        n = len(watched)
+                                    + noise_row + [probe_ms])
+        n, names = len(watched), [state.param_names[p] for p in watched]
         # rank sums for the wire's pricing (``wire_pricing.wire_shares``)
-        self.wire_sums = ([state.param_names[p] for p in watched],
-                          [v * self.step.world_size for v in means[2 * n:2 * n + len(wire_row)]]) if wire_row else None
-        return {state.param_names[p]: (means[i], means[n + i]) for i, p in enumerate(watched)}, means[-1]
+        self.wire_sums = (names, [v * self.step.world_size for v in means[2 * n:2 * n + len(wire_row)]]
+                          ) if wire_row else None
+        at = 2 * n + len(wire_row)
+        self.noise = noise_ratios(dict(zip(names, means[at:at + n])), dict(zip(names, means[at + n:at + 2 * n])),
+                                  self.step.world_size) if noise_row else None
+        return {name: (means[i], means[n + i]) for i, name in enumerate(names)}, means[-1]
 
     def _trade(self, step_count: int, changes: dict[str, tuple[float, float]], probe_ms: float) -> PreserverEvent | None:
         """Judge the running plan's 16-bit wire on this measurement, then price the measured staleness and decide
@@ -233,7 +241,8 @@ class PreserverMonitor:
             self.preserver.probes.after_measurement(step_count, changed=False, probe_ms=probe_ms,
                                                     step_ms=self.trader.running_step_ms())
             return None
-        return self.trader.measured(step_count, changes, probe_ms)
+        noise, self.noise = self.noise, None
+        return self.trader.measured(step_count, changes, probe_ms, noise)
 
     def _all_rank_mean(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=comm_device(self.step.control_group))
@@ -317,7 +326,7 @@ class PreserverMonitor:
             return None
         event = None
         if signal.finite and since is not None and since["batches"]:
-            lagged, evaluate_on = self._replay_shape(since)
+            lagged, evaluate_on = replay_shape(since)
             trained, evaluated = len(since["batches"]) + lagged, 2 * evaluate_on  # both arms
             predicted = agreed.replay_seconds(trained, evaluated)
             if agreed.affords(predicted):
@@ -418,13 +427,6 @@ class PreserverMonitor:
                     schedule[names[p]] = (max(old_delay, delay), max(old_period, item.period))
         return schedule
 
-    @staticmethod
-    def _replay_shape(since: dict) -> tuple[int, int]:
-        """A paired replay's shape: the synchronous arm's steps (the stale arm's less its lag) and the minibatches
-        each arm is evaluated on."""
-        batches = since["batches"]
-        return max(0, len(batches) - lag_steps(since["schedules"])), min(len(batches), _REPLAY_EVALUATION_BATCHES)
-
     def _paired_replay(self, since: dict, lagged: int, evaluate_on: int) -> tuple[float, float]:
         """All-rank means of the stale arm's final loss and of the synchronous arm's loss its lag earlier
         (``lagged`` steps), each over the last ``evaluate_on`` minibatches."""
@@ -469,23 +471,54 @@ class PreserverMonitor:
             self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)
 
 
+def replay_shape(since: dict) -> tuple[int, int]:
+    """A paired replay's shape: the synchronous arm's steps (the stale arm's less its lag) and the minibatches each
+    arm is evaluated on."""
+    batches = since["batches"]
+    return max(0, len(batches) - lag_steps(since["schedules"])), min(len(batches), _REPLAY_EVALUATION_BATCHES)
+
+
 def _schedule(plan: Plan) -> list[dict]:
     """What runs: a plan's items. Options (and so the hash) change with every decision; the items may not."""
     return [item.to_dict() for item in plan.items]
 
 
+def periods_allowed(options: dict[str, Any]) -> bool:
+    """Whether plans solved with these options may give buckets an update period (what a noise ratio prices)."""
+    return (options.get("max_staleness", 1) != 0 and options.get("allow_period", True)
+            and options.get("max_period", 4) >= 2)
+
+
+def rank_gradient_norms(step: WatchedStep, watched: list[int], kept: dict[int, torch.Tensor]) -> list[float]:
+    """Per watched captured index, this rank's squared gradient norm on its own batch, then the squared norm of the
+    ranks' mean gradient (one float32 all-reduce of the kept gradients on the control group): what
+    ``pricing.noise_ratios`` compares. A parameter without a gradient on this rank (unused by its batch) sends
+    zeros, so every rank all-reduces the same length."""
+    params = step.graph.captured.model_state.params
+    grads = [kept[p].detach().reshape(-1).float() if kept.get(p) is not None else
+             torch.zeros(params[p].numel(), dtype=torch.float32, device=params[p].device) for p in watched]
+    local = [float(g.double().square().sum()) for g in grads]
+    flat = (torch.cat(grads) if grads else torch.zeros(0)).to(comm_device(step.control_group))
+    dist.all_reduce(flat, group=step.control_group)
+    flat /= step.world_size
+    mean = [float(part.double().square().sum()) for part in flat.split([g.numel() for g in grads])]
+    return local + mean
+
+
 def measure_step(step: WatchedStep, watched: list[int], before: list[torch.Tensor] | None, args: tuple, kwargs: dict,
-                 *, trade: bool, wire_dtypes: list[str] | None) -> tuple[dict[int, tuple[float, float]], list[float]]:
+                 *, trade: bool, wire_dtypes: list[str] | None,
+                 keep: bool = False) -> tuple[dict[int, tuple[float, float]], list[float], dict[int, torch.Tensor]]:
     """One measurement on this rank: per watched captured index (‖Δg‖², ‖g‖²) between the weights ``before`` and
     the step's (none where ``before`` is None: one pass at the step's weights, for the wire alone), priced in the
     optimizer's metric and at the scheduler's base rate in ``trade`` mode (``staleness.update_metric``,
-    ``rate_scales``); and with ``wire_dtypes``, the cast error norms of that gradient (``wire_error``)."""
+    ``rate_scales``); with ``wire_dtypes``, the cast error norms of that gradient (``wire_error``); and the
+    gradients at the weights the step computed with, by index (kept where ``wire_dtypes`` or ``keep``)."""
     state = step.graph.captured.model_state
     metric, by_tensor = None, None
     if trade:  # prices in the optimizer's own metric (Adam: √P-weighted); the veto thresholds are not
         by_tensor = update_metric(step.optimizer)
         metric = {i: by_tensor[state.params[i]] for i in watched if state.params[i] in by_tensor}
-    gradients: dict[int, torch.Tensor] | None = {} if wire_dtypes else None
+    gradients: dict[int, torch.Tensor] | None = {} if wire_dtypes or keep else None
     buffers = dict(zip(state.buffer_names, state.buffers))
     if before is None:  # the wire only: this step's gradient at the weights it left
         change: dict[int, tuple[float, float]] = {}
@@ -503,4 +536,4 @@ def measure_step(step: WatchedStep, watched: list[int], before: list[torch.Tenso
         chosen = [gradients.get(p) for p in watched]
         weights = metric_weights(step.optimizer, [state.params[p] for p in watched], chosen, by_tensor)
         wire_row = cast_error_norms(chosen, step.world_size, wire_dtypes, weights)
-    return change, wire_row
+    return change, wire_row, gradients or {}

@@ -31,6 +31,19 @@ pricing periods as (K − 1)/2 steps of staleness kept a period that cost 19 %
 of final validation loss; priced by the updates they skip they are dropped.
 Before the first measurement the update prices are a prior: each parameter's
 share of the parameters (``prior_update_prices``).
+
+That holds where the gradient is exact. A minibatch gradient is noisy, and the
+mean of K of them is worth more than one: with the gradient noise scale of the
+step's batch, b = tr(Σ) / ‖G‖² (the noise's variance over the true gradient's
+squared norm; McCandlish et al., "An Empirical Model of Large-Batch Training",
+2018), an update with the mean of K gradients makes (1 + b) / (1 + b / K) times
+the progress of one. So a period K loses (K − 1) / (K + b) of p's share, not
+(1 − 1/K) (``skipped_share``): nothing where noise dominates (b ≫ K), all of
+(1 − 1/K) where it is absent (b = 0, the prior). The ranks' gradients on their
+own batches measure b per parameter (``noise_ratios``): with N ranks, the
+ranks' mean squared norm S and the squared norm M of their mean give
+‖G‖² = (N·M − S) / (N − 1) and the noise of the all-reduced step
+tr(Σ) = (S − M) / (N − 1).
 ``staleness_price`` (κ, default 1) scales the first-order estimate: momentum
 and Adam carry a stale error into later steps, which the estimate ignores.
 
@@ -53,6 +66,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+from deft_compile.planner.solvers.deft import skipped_share
 
 
 def progress_shares(changes: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -81,6 +96,30 @@ def prior_update_prices(numels: dict[str, int], step_ms: float, price_factor: fl
     return {name: _rounded(price_factor * step_ms * n / total) for name, n in numels.items()} if total else {}
 
 
+#: the largest noise ratio a measurement gives a parameter (a noise ratio above it, or a true gradient measured at
+#: or below zero, is taken as this): at 100 a period of 2 still loses 1 % of the parameter's share of progress
+NOISE_CAP = 100.0
+
+
+def noise_ratios(rank_mean_sq: dict[str, float], mean_sq: dict[str, float], world_size: int) -> dict[str, float]:
+    """Per parameter, the gradient noise scale of the all-reduced step over the step's batch, b = tr(Σ) / ‖G‖²,
+    from the ranks' mean squared gradient norm (S) and the squared norm of the ranks' mean gradient (M) on one
+    minibatch: b = (S − M) / (N·M − S), in [0, ``NOISE_CAP``]. Empty for one rank (nothing to compare)."""
+    if world_size < 2:
+        return {}
+    ratios = {}
+    for name, s in rank_mean_sq.items():
+        m = mean_sq.get(name, 0.0)
+        signal, noise = world_size * m - s, max(s - m, 0.0)
+        if s <= 0.0:
+            ratios[name] = 0.0  # no gradient: nothing a period could lose or gain
+        elif signal <= 0.0:
+            ratios[name] = NOISE_CAP
+        else:
+            ratios[name] = min(noise / signal, NOISE_CAP)
+    return ratios
+
+
 def compute_ms(profile: Any) -> float:
     """The step time prices are in: forward, backward and update without communication (a ``Profile``'s).
     Time to a loss is steps x step time, so a lost share L of progress costs L x the step time of the plan
@@ -89,10 +128,12 @@ def compute_ms(profile: Any) -> float:
 
 
 def plan_price_ms(plan: Any, param_names: list[str], staleness_prices: dict[str, float],
-                  update_prices: dict[str, float]) -> float:
+                  update_prices: dict[str, float], update_noise: dict[str, float] | None = None) -> float:
     """The price of a plan's staleness and update periods, ms per step: each parameter's staleness price × its
-    mean staleness (d + (K − 1)/2) plus its update price × (1 − 1/K). ``plan`` is a ``Plan`` (items with bucket,
+    mean staleness (d + (K − 1)/2) plus its update price × the share a period K skips (``skipped_share`` at the
+    parameter's noise ratio in ``update_noise``, 0 where absent). ``plan`` is a ``Plan`` (items with bucket,
     slices, delay, period); each bucket's parameters are counted once, however many link shares carry it."""
+    noise = update_noise or {}
     buckets: dict[int, tuple[set[int], int, int]] = {}
     for item in plan.items:
         params, _, _ = buckets.setdefault(item.bucket, (set(), item.delay, item.period))
@@ -101,20 +142,22 @@ def plan_price_ms(plan: Any, param_names: list[str], staleness_prices: dict[str,
     for params, delay, period in buckets.values():
         for p in params:
             name = param_names[p]
-            price += staleness_prices.get(name, 0.0) * (delay + (period - 1) / 2) + update_prices.get(name, 0.0) * (
-                1 - 1 / period)
+            price += (staleness_prices.get(name, 0.0) * (delay + (period - 1) / 2)
+                      + update_prices.get(name, 0.0) * skipped_share(period, noise.get(name, 0.0)))
     return price
 
 
 def priced_cost_ms(plan: Any, param_names: list[str], staleness_prices: dict[str, float],
-                   update_prices: dict[str, float], compute: float, step_ms: float | None = None) -> float:
+                   update_prices: dict[str, float], compute: float, step_ms: float | None = None,
+                   update_noise: dict[str, float] | None = None) -> float:
     """A plan's step time per step of synchronous progress under the given prices (what the deft solver ranks
     candidates by, ``priced_step_ms``): its predicted step time, or ``step_ms`` (a measured one), with the price
     of its staleness (``plan_price_ms``)."""
     from deft_compile.planner.solvers.deft import priced_step_ms
 
     iteration = float(plan.predicted_iteration_ms or 0.0) if step_ms is None else step_ms
-    return priced_step_ms(iteration, plan_price_ms(plan, param_names, staleness_prices, update_prices), compute)
+    price = plan_price_ms(plan, param_names, staleness_prices, update_prices, update_noise)
+    return priced_step_ms(iteration, price, compute)
 
 
 def _rounded(value: float) -> float:
@@ -130,12 +173,17 @@ class StalenessPricer:
     window: int = 3
     _shares: dict[str, list[float]] = field(default_factory=dict)
     _updates: dict[str, list[float]] = field(default_factory=dict)
+    _noise: dict[str, list[float]] = field(default_factory=dict)
 
-    def observe(self, changes: dict[str, tuple[float, float]]) -> None:
+    def observe(self, changes: dict[str, tuple[float, float]], noise: dict[str, float] | None = None) -> None:
+        """One measurement: per parameter (‖Δg‖², ‖g‖²), and the gradient noise ratios (``noise_ratios``) where the
+        measurement compared the ranks' gradients."""
         for name, share in progress_shares(changes).items():
             self._shares[name] = (self._shares.get(name, []) + [share])[-self.window :]
         for name, share in update_shares(changes).items():
             self._updates[name] = (self._updates.get(name, []) + [share])[-self.window :]
+        for name, ratio in (noise or {}).items():
+            self._noise[name] = (self._noise.get(name, []) + [ratio])[-self.window :]
 
     @property
     def ready(self) -> bool:
@@ -145,21 +193,25 @@ class StalenessPricer:
     def medians(self) -> dict[str, float]:
         return {name: statistics.median(values) for name, values in self._shares.items()}
 
-    def prices(self, step_ms: float) -> tuple[dict[str, float], dict[str, float]]:
+    def prices(self, step_ms: float) -> tuple[dict[str, float], ...]:
         """(staleness prices: ms per step per step of staleness; update prices: ms per step that losing all
-        of a parameter's updates costs), by parameter name."""
+        of a parameter's updates costs), by parameter name; and, where measured, the median noise ratios that
+        scale what an update period loses (``skipped_share``)."""
         def priced(shares: dict[str, list[float]]) -> dict[str, float]:
             return {name: _rounded(self.price_factor * statistics.median(v) * step_ms) for name, v in shares.items()}
 
-        return priced(self._shares), priced(self._updates)
+        noise = {name: _rounded(statistics.median(v)) for name, v in self._noise.items()}
+        return (priced(self._shares), priced(self._updates)) + ((noise,) if noise else ())
 
     def state_dict(self) -> dict[str, Any]:
         return {"shares": {name: list(values) for name, values in sorted(self._shares.items())},
-                "updates": {name: list(values) for name, values in sorted(self._updates.items())}}
+                "updates": {name: list(values) for name, values in sorted(self._updates.items())},
+                "noise": {name: list(values) for name, values in sorted(self._noise.items())}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._shares = {name: [float(v) for v in values] for name, values in state["shares"].items()}
         self._updates = {name: [float(v) for v in values] for name, values in state.get("updates", {}).items()}
+        self._noise = {name: [float(v) for v in values] for name, values in state.get("noise", {}).items()}
 
 
 @dataclass

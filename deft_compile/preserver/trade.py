@@ -25,6 +25,7 @@ Torch-free: it reads the step through the ``WatchedStep`` protocol of :mod:`deft
 from __future__ import annotations
 
 import logging
+import statistics
 from typing import Any, Callable
 
 from deft_compile.planner.solvers.deft import priced_step_ms
@@ -76,14 +77,16 @@ class Trader:
         return closed_loop.measured_times() if closed_loop is not None else None
 
     # -- one measurement ----------------------------------------------------------------------------
-    def measured(self, step_count: int, changes: dict[str, tuple[float, float]], probe_ms: float) -> PreserverEvent | None:
-        """One staleness measurement (every parameter's (‖Δg‖², ‖g‖²), summed over ranks; ``probe_ms`` its cost):
-        price, decide, switch where the decision changes the plan, and schedule the next measurement."""
+    def measured(self, step_count: int, changes: dict[str, tuple[float, float]], probe_ms: float,
+                 noise: dict[str, float] | None = None) -> PreserverEvent | None:
+        """One staleness measurement (every parameter's (‖Δg‖², ‖g‖²), summed over ranks, and where measured its
+        gradient noise ratio; ``probe_ms`` its cost): price, decide, switch where the decision changes the plan, and
+        schedule the next measurement."""
         preserver, step = self.preserver, self.step
         compute = compute_ms(step.profile)
         unpriced = preserver.unpriced_options()
         synchronous = step.solve({**unpriced, "max_staleness": 0})
-        prices = preserver.trade(step_count, changes, compute)
+        prices = preserver.trade(step_count, changes, compute, noise)
         event, changed = None, False
         if prices is not None:
             standing = step.solve(preserver.options)
@@ -173,7 +176,9 @@ class Trader:
         return {"synchronous_ms": synchronous_ms, "plan_ms": plan_ms, "price_ms": price_ms, "gain_ms": gain_ms,
                 "total_staleness_price_ms": sum(prices[0].values()),
                 "top_staleness_prices_ms": dict(sorted(prices[0].items(), key=lambda kv: -kv[1])[:5]),
-                "top_update_prices_ms": dict(sorted(prices[1].items(), key=lambda kv: -kv[1])[:5]), **extra}
+                "top_update_prices_ms": dict(sorted(prices[1].items(), key=lambda kv: -kv[1])[:5]),
+                **({"median_noise_ratio": statistics.median(prices[2].values())} if len(prices) > 2 and prices[2]
+                   else {}), **extra}
 
     def _propose(self, step_count: int, prices, synchronous, compute: float) -> PreserverEvent | None:
         """No delays adopted: propose the priced plan if it pays (compensated: switch; plain: replay first). The
@@ -223,7 +228,7 @@ class Trader:
                   f"{self.config.trade_margin:.0%} of compute, {self.config.trade_margin * compute:.3g} ms) against a "
                   f"switch of {cost_ms:.3g} ms")
         if preserver.plain_delays and self.admission is not None:
-            preserver.admission = {"kind": "propose", "prices": [dict(prices[0]), dict(prices[1])],
+            preserver.admission = {"kind": "propose", "prices": [dict(p) for p in prices],
                                    "reason": reason, "schedule": schedule_by_name(priced, names), "metrics": metrics}
             self.admission.request(preserver.admission["schedule"])
             log.info("Preserver at step %d: plain delays proposed (%s); a paired replay of %d steps decides",
@@ -313,7 +318,7 @@ class Trader:
             return None
         if not admitted:
             return preserver.settle(step_count, "synchronous", f"plain delays not admitted: {comparison}", metrics)
-        prices = (pending["prices"][0], pending["prices"][1])
+        prices = tuple(pending["prices"])
         reason = f"{pending['reason']}; plain delays admitted: {comparison}"
         event = preserver.record_trade(step_count, prices, metrics, reason)
         self.step.switch_plan(preserver.options, reason)

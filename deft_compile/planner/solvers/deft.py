@@ -169,6 +169,14 @@ def priced_step_ms(iteration_ms: float, price_ms: float, compute_ms: float) -> f
     return iteration_ms / (1.0 - min(MAX_LOST_PROGRESS, price_ms / compute_ms))
 
 
+def skipped_share(period: Any, noise: Any = 0.0) -> Any:
+    """The share of a parameter's progress an update period K loses where its gradient noise ratio is ``noise``
+    (b = tr(Σ)/‖G‖² of the step's batch): an update with the mean of K gradients makes (1 + b)/(1 + b/K) times
+    one's progress, so K steps make (1 + b)/(K + b) of K updates' and lose (K − 1)/(K + b); (1 − 1/K) with an exact
+    gradient (b = 0). Scalars or numpy arrays (``deft_compile.preserver.pricing``)."""
+    return (period - 1) / (period + noise)
+
+
 @dataclass
 class _Candidate:
     iteration_ms: float
@@ -231,6 +239,7 @@ def solve_deft(
     staleness_penalty_ms: float = 0.0,
     staleness_prices: dict[str, float] | None = None,
     update_prices: dict[str, float] | None = None,
+    update_noise: dict[str, float] | None = None,
     keep_synchronous: list[str] | tuple[str, ...] = (),
     links: list[int] | None = None,
     units: int = DEFAULT_UNITS,
@@ -258,11 +267,10 @@ def solve_deft(
             every candidate (and WFBP) is ranked by: predicted step time plus
             price.
         update_prices: parameter name -> ms per step that losing all of the
-            parameter's updates costs (the Preserver's trade). An update period
-            K applies a bucket once every K steps: it costs (1 - 1/K) of the
-            bucket's update price, added to a candidate's score. A bucket whose
-            update price is at least its communication time gets no period (a
-            period saves (1 - 1/K) of the load and costs (1 - 1/K) of the price).
+            parameter's updates costs (the Preserver's trade). A period K costs
+            each parameter's update price times ``skipped_share(K, b)``.
+        update_noise: parameter name -> gradient noise ratio b = tr(Σ)/‖G‖² of
+            the step's batch (``preserver.pricing.noise_ratios``; 0 where absent).
         keep_synchronous: parameter names (``fnmatch`` patterns) whose buckets
             stay exactly as in DDP: never delayed, never periodic. The
             Preserver fills it with the buckets whose staleness error it
@@ -282,7 +290,7 @@ def solve_deft(
     options = _options(first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes,
                        max_staleness=max_staleness, allow_period=allow_period, max_period=max_period,
                        period_margin=period_margin, staleness_penalty_ms=staleness_penalty_ms,
-                       staleness_prices=staleness_prices, update_prices=update_prices,
+                       staleness_prices=staleness_prices, update_prices=update_prices, update_noise=update_noise,
                        keep_synchronous=keep_synchronous, links=links, units=units,
                        suffix_candidates=suffix_candidates, tie_tolerance=tie_tolerance, wire_dtype=wire_dtype,
                        wire_prices=wire_prices, keep_float32=keep_float32)
@@ -296,11 +304,11 @@ def solve_deft(
 
     n = len(buckets)
     share_items, share_loads, costs, bucket_bytes = _bucket_shares(profile, buckets, synchronous, link_ids)
-    pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern)
-                           for p in bucket for pattern in options["keep_synchronous"])
-                       for bucket in buckets], dtype=bool)
-    price, update_price = (_bucket_prices(profile, buckets, options.get(key, {}))
-                           for key in ("staleness_prices", "update_prices"))
+    pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern) for p in bucket
+                           for pattern in options["keep_synchronous"]) for bucket in buckets], dtype=bool)
+    price = _bucket_prices(profile, buckets, options.get("staleness_prices", {}))
+    update_cost = _update_costs(profile, buckets, options.get("update_prices", {}), options.get("update_noise", {}),
+                                max(2, max_period))
     group = np.array([b for b, _, _ in share_items], dtype=np.int64)
     same_as_wfbp = len(share_items) == n and all(link == 0 for _, link, _ in share_items)
     layout = _layout(synchronous, share_items, same_as_wfbp)
@@ -312,10 +320,8 @@ def solve_deft(
     coverage = float(share_loads.sum(axis=0).max() / capacity) if capacity > 0 else math.inf
     configs = [(np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))]
     if allow_period and max_period >= 2 and coverage > 1.0 / (1.0 + period_margin):
-        # a period K saves (1 - 1/K) of a bucket's load and costs (1 - 1/K) of its update price (and (K - 1)/2
-        # steps of staleness): never worth it where those prices reach the communication time
-        too_dear = update_price + price / 2 >= costs
-        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period, pinned | too_dear))
+        configs.append(_period_config(costs, share_loads, capacity, period_margin, max_period,
+                                      pinned | _too_dear(costs, price, update_cost)))
 
     suffixes = (list(range(n + 1)) if n <= suffix_candidates
                 else sorted({int(round(x)) for x in np.linspace(0, n, suffix_candidates)}))
@@ -324,7 +330,7 @@ def solve_deft(
         amortised = costs / period
         values = [0.0 if pinned[i] else float(c) - staleness_penalty_ms - float(price[i]) for i, c in enumerate(amortised)]
         for k, kind in _knapsack_kinds(amortised, values, suffixes, t_f, t_b, units):
-            candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k, price, update_price))
+            candidates.append(_score(evaluator, kind, period, offset, group, bucket_bytes, k, price, update_cost))
     best_cost = min(c.cost_ms for c in candidates)
     best = min((c for c in candidates if c.cost_ms <= best_cost * (1 + tie_tolerance)),
                key=lambda c: (c.delayed_bytes, c.periodic, c.cost_ms, -c.suffix))
@@ -342,7 +348,7 @@ def solve_deft(
 
 
 def _options(*, first_bucket_bytes, bucket_cap_bytes, max_staleness, allow_period, max_period, period_margin,
-             staleness_penalty_ms, staleness_prices, update_prices, keep_synchronous, links, units,
+             staleness_penalty_ms, staleness_prices, update_prices, update_noise, keep_synchronous, links, units,
              suffix_candidates, tie_tolerance, wire_dtype, wire_prices, keep_float32) -> dict[str, Any]:
     """The plan's options, normalised (what its hash covers)."""
     options = {"first_bucket_bytes": int(first_bucket_bytes), "bucket_cap_bytes": int(bucket_cap_bytes),
@@ -353,7 +359,8 @@ def _options(*, first_bucket_bytes, bucket_cap_bytes, max_staleness, allow_perio
                "links": None if links is None else [int(l) for l in links], "units": int(units),
                "suffix_candidates": int(suffix_candidates), "tie_tolerance": float(tie_tolerance),
                **wire_option(wire_dtype)}
-    for key, given in (("staleness_prices", staleness_prices), ("update_prices", update_prices)):
+    for key, given in (("staleness_prices", staleness_prices), ("update_prices", update_prices),
+                       ("update_noise", update_noise)):
         if given:  # only when priced, so unpriced plans keep the hashes they always had
             options[key] = {str(k): float(v) for k, v in sorted(given.items())}
     if wire_prices:  # likewise: only when the wire is chosen by price
@@ -428,6 +435,26 @@ def _bucket_prices(profile: Profile, buckets: list[list[int]], prices: dict[str,
     return np.array([sum(prices.get(profile.params[p].name, 0.0) for p in bucket) for bucket in buckets])
 
 
+def _too_dear(costs: np.ndarray, price: np.ndarray, update_cost: np.ndarray) -> np.ndarray:
+    """Buckets never worth a period: a period of 2 saves half a bucket's load and costs its updates' skipped share
+    and half a step of staleness, and for these that reaches the communication it saves."""
+    return update_cost[:, 2] + price / 2 >= costs / 2
+
+
+def _update_costs(profile: Profile, buckets: list[list[int]], prices: dict[str, float], noise: dict[str, float],
+                  max_period: int) -> np.ndarray:
+    """``[b, K]``: what an update period K costs bucket ``b``, ms per step (K = 0..max_period; 0 at K <= 1): the sum
+    over its parameters of update price × ``skipped_share(K, noise ratio)``."""
+    periods = np.arange(max_period + 1, dtype=np.float64)
+    costs = np.zeros((len(buckets), max_period + 1))
+    for b, bucket in enumerate(buckets):
+        for p in bucket:
+            name = profile.params[p].name
+            if prices.get(name, 0.0):
+                costs[b, 2:] += prices[name] * skipped_share(periods[2:], noise.get(name, 0.0))
+    return costs
+
+
 def _bucket_shares(profile: Profile, buckets: list[list[int]], synchronous: list[CommItem],
                    link_ids: list[int]) -> tuple[list[tuple[int, int, tuple]], np.ndarray, np.ndarray, np.ndarray]:
     """Each bucket's shares over the links DeFT may use: (the items as (bucket, link, slices), each bucket's load
@@ -485,14 +512,13 @@ def _knapsack_kinds(amortised: np.ndarray, values: list[float], suffixes: list[i
 
 def _score(evaluator: BucketScheduleEvaluator, kind: np.ndarray, period: np.ndarray,
            offset: np.ndarray, group: np.ndarray, bucket_bytes: np.ndarray, suffix: int,
-           price: np.ndarray, update_price: np.ndarray) -> _Candidate:
+           price: np.ndarray, update_cost: np.ndarray) -> _Candidate:
     window = kind  # kind codes are the simulator's window codes (0, 1, 2)
     delay = (kind != _SYNC).astype(np.int64)
     rank = _issue_rank(kind, group)
     iteration = evaluator.iteration_ms(window, delay, period, offset, rank)
     staleness = delay + (period - 1) / 2.0  # mean steps by which each bucket's applied gradient lags
-    skipped = 1.0 - 1.0 / period  # share of a bucket's updates its period skips
-    cost = float((price * staleness).sum() + (update_price * skipped).sum())
+    cost = float((price * staleness).sum() + update_cost[np.arange(len(period)), period].sum())
     return _Candidate(iteration, cost, evaluator.compute_ms, int(bucket_bytes[kind != _SYNC].sum()),
                       bool((period > 1).any()), suffix, kind, period, offset)
 
