@@ -67,14 +67,20 @@ def semantics_attribution_run(rank: int, world_size: int, lr: float, steps: int,
 
 
 def trade_run(rank: int, world_size: int, steps: int, delayed_update: str, preserver_options: dict | None = None,
-              closed_loop: bool = False, lr: float | None = None) -> dict:
+              closed_loop: bool = False, lr: float | None = None, link_ms: float | None = None) -> dict:
     """The seeded ``mlp_dropout_sgd`` model on a slow-link profile whose plan delays buckets, the Preserver's trade
     from a synchronous start, under ``delayed_update``: the plan history, the Preserver's decisions and its final
-    state."""
+    state. ``link_ms``: each all-reduce's time in the profile (default 2.5 ms, under the 4 ms of compute per bucket;
+    above it the plan solved without prices gives buckets a period)."""
+    import dataclasses
+
     from deft_compile.planner.closed_loop import ClosedLoopConfig
+    from deft_compile.planner.plan import LinkCost
     from deft_compile.preserver import PreserverConfig
 
     model, optimizer, loss_fn, batches, profile = _mlp_with_delaying_profile(rank, world_size, steps)
+    if link_ms is not None:
+        profile = dataclasses.replace(profile, links=[LinkCost("slow", link_ms, 0.0)])
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -207,8 +207,7 @@ class PreserverMonitor:
         watched = sorted({p for item in self.step.items for p in item.params})
         passes = 1 if self._measuring == "wire" else 2
         dtypes = self.trader.wire_dtypes() if self.config.trade and self._narrowed() else None
-        noise = passes == 2 and self.config.trade and self.step.world_size > 1 and periods_allowed(
-            self.preserver.unpriced_options())
+        noise = passes == 2 and self.config.trade and self.step.world_size > 1 and self.trader.periods_can_run()
         change, wire_row, kept = measure_step(self.step, watched, None if passes == 1 else self._before, args, kwargs,
                                               trade=self.config.trade, wire_dtypes=dtypes, keep=noise)
         self.budget.pass_seconds = (time.perf_counter() - started) / passes  # a paired replay's unit of work
@@ -481,12 +480,6 @@ def replay_shape(since: dict) -> tuple[int, int]:
 def _schedule(plan: Plan) -> list[dict]:
     """What runs: a plan's items. Options (and so the hash) change with every decision; the items may not."""
     return [item.to_dict() for item in plan.items]
-
-
-def periods_allowed(options: dict[str, Any]) -> bool:
-    """Whether plans solved with these options may give buckets an update period (what a noise ratio prices)."""
-    return (options.get("max_staleness", 1) != 0 and options.get("allow_period", True)
-            and options.get("max_period", 4) >= 2)
 
 
 def rank_gradient_norms(step: WatchedStep, watched: list[int], kept: dict[int, torch.Tensor]) -> list[float]:

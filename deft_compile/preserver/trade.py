@@ -117,6 +117,17 @@ class Trader:
         gain_ms = float(synchronous.predicted_iteration_ms or 0.0) - float(plan.predicted_iteration_ms or 0.0)
         return gain_ms >= self.config.trade_margin * compute_ms(step.profile)
 
+    def periods_can_run(self) -> bool:
+        """Whether the plan solved without prices gives a bucket an update period. Prices only make periods dearer,
+        so where it gives none no price can buy one, and a noise ratio (which prices periods, at the cost of an
+        all-reduce of the gradient) changes nothing."""
+        if self.step.profile is None:
+            return False
+        options = self.preserver.unpriced_options()
+        if options.get("max_staleness", 1) == 0 or not options.get("allow_period", True):
+            return False
+        return any(item.period > 1 for item in self.step.solve(options).items)
+
     def running_step_ms(self) -> float:
         """The running plan's step time: measured by the closed loop where it has measured it, else predicted."""
         times, plan = self._times(), self.step.plan
