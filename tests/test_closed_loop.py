@@ -1,5 +1,6 @@
 """Closed-loop planning: measured plans, the synchronous candidate always tried, the fastest kept,
-the final choice from interleaved rounds."""
+the final choice from interleaved rounds. Every 2-process run of this file goes in one process pair, in turn
+(``CASE_LIST``, tests/batched.py), and each test asserts its own run's results."""
 
 from __future__ import annotations
 
@@ -13,12 +14,63 @@ from deft_compile.planner.closed_loop import ClosedLoopConfig, Duel, rounds_disa
 from deft_compile.planner.refine import (compute_floor, contention_parts, measured_contention, refine_from_threads,
                                        refine_scales, scaled_parts, scaled_profile)
 from deft_compile.planner.stability import predicted_ms
-from deft_compile.tools.launcher import run_local_workers
-from workers import check_entry, closed_loop_recheck_run, closed_loop_run, control_group_run
+from batched import Case, launch_cases
+from cache_workers import switching_run
+from workers import (check_entry, closed_loop_priority_run, closed_loop_recheck_run, closed_loop_run,
+                     closed_loop_verify_run, control_group_run, priority_closed_loop_run)
+
+_FOUR_PLANS = ("deft", "deft-sync", "bytescheduler", "usbyte")
+#: every 2-process run of this file, by key, with the tests that read it (tests/batched.py): one process pair runs them
+#: in turn. ``closed_loop_run``'s arguments inject per-plan times (workers.closed_loop_run)
+CASE_LIST = [
+    Case("delays slower", closed_loop_run, (1000.0, 44),
+         tests=("test_falls_back_to_the_synchronous_plan_when_delays_measure_slower",)),
+    Case("threads' clocks", closed_loop_run, (0.0, 40, 0.0, 2, 0.0, 0.0, 0.0, 0, 0.0, False, True),
+         tests=("test_the_closed_loop_refines_from_the_step_threads_clocks",)),
+    Case("delays faster", closed_loop_run, (-1000.0, 70), tests=("test_keeps_the_delaying_plan_when_it_measures_faster",)),
+    *[Case(("growing load", rounds), closed_loop_run, (300.0, 40, 200.0, rounds),
+           tests=(f"test_a_growing_load_does_not_fool_the_choice[{rounds}]",)) for rounds in (0, 4)],
+    Case("later replan", closed_loop_verify_run, (80,),
+         tests=("test_a_later_replan_that_measures_slower_goes_back_to_synchronous",)),
+    Case("fastest synchronous", closed_loop_run, (-300.0, 50, 0.0, 2, -350.0, 1000.0),
+         tests=("test_delays_must_beat_the_fastest_synchronous_plan_a_priority_plan_included",)),
+    Case("priority kept", closed_loop_priority_run, (24, 19),
+         tests=("test_a_synchronous_deft_step_measures_and_keeps_a_faster_priority_plan",)),
+    Case("control group", control_group_run, (12,),
+         tests=("test_the_preserver_and_the_closed_loop_agree_on_a_group_beside_the_gradients",)),
+    *[Case(("priority refines", policy), priority_closed_loop_run, (policy, 14, 50.0),
+           tests=(f"test_a_priority_policy_refines_its_profile_and_keeps_ddps_numbers[{policy}]",))
+      for policy in ("bytescheduler", "usbyte")],
+    Case("stretched window", closed_loop_run, (0.0, 48, 0.0, 2, 0.0, 0.0, 150.0),
+         tests=("test_the_closed_loop_stretches_its_window_alike_on_every_rank",)),
+    Case(("re-check", 40), closed_loop_recheck_run, (70, 40),
+         tests=("test_a_settled_plan_with_delays_that_slows_down_duels_again_and_goes_synchronous",)),
+    Case(("re-check", None), closed_loop_recheck_run, (70, None),
+         tests=("test_a_settled_plan_with_delays_that_keeps_its_speed_is_rechecked_and_kept",)),
+    Case("rounds disagree", closed_loop_run, (0.0, 60, 0.0, 2, 500.0, 1000.0, 0.0, 6, 400.0),
+         tests=("test_a_duel_whose_rounds_disagree_runs_on_to_duel_max_rounds",)),
+    *[Case(("priority close", priority_ms), closed_loop_run, (5000.0, 50, -100.0, 2, priority_ms * 5, 10000.0),
+           tests=(f"test_a_priority_plan_close_to_ddps_buckets_must_win_a_duel_against_them[{priority_ms}-{winner}]",))
+      for priority_ms, winner in ((30.0, "ddp-buckets"), (-100.0, "priority"))],
+    Case("step back", closed_loop_run, (-1000.0, 40, 0.0, 2, 30.0, 2000.0, 0.0, 0, 0.0, False, False, True),
+         tests=("test_a_step_back_to_the_plan_a_duels_synchronous_block_runs_ends_the_duel",)),
+    Case("replan in duel", closed_loop_run, (-1000.0, 60, -20.0, 2, 30.0, 2000.0, 0.0, 0, 0.0, True),
+         tests=("test_a_replan_during_the_duel_of_synchronous_plans_waits_for_its_verdict",)),
+    Case(("switching", 4), switching_run, (3, _FOUR_PLANS, 2), tests=("test_a_plan_seen_before_builds_no_graph_again",)),
+    Case(("switching", 5), switching_run, (2, _FOUR_PLANS + ("wfbp",), 2),
+         tests=("test_a_plan_seen_before_builds_no_graph_again",)),
+]
 
 
-def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (1000.0, 44), timeout_s=240)]
+@pytest.fixture(scope="module")
+def outcome(request):
+    """The per-rank values of a run of ``CASE_LIST`` by key (a failed run fails the test that reads it)."""
+    return launch_cases(request, CASE_LIST, timeout_s=900.0)
+
+
+
+def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower(outcome):
+    results = outcome("delays slower")
     for report in results:
         assert report["initial_delayed"] > 0, "the initial plan must delay buckets for the test to mean anything"
         assert report["state"] == "settled"
@@ -50,13 +102,12 @@ def test_falls_back_to_the_synchronous_plan_when_delays_measure_slower():
     ]
 
 
-def test_the_closed_loop_refines_from_the_step_threads_clocks():
+def test_the_closed_loop_refines_from_the_step_threads_clocks(outcome):
     """Nothing injected, ``measure_contention`` on: the given profile is far from this tiny model's real times, so
     the loop refines, and with every candidate's CPU and run-queue times read it measures the compute and the
     contention and fits the link per byte and per message (``refine_from_threads``); every rank refines alike,
     since the clocks are agreed with the times."""
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (0.0, 40, 0.0, 2, 0.0, 0.0, 0.0, 0, 0.0, False,
-                                                                       True), timeout_s=240)]
+    results = outcome("threads' clocks")
     for report in results:
         refined = [h["closed_loop"] for h in report["history"]
                    if "closed_loop" in h and h["closed_loop"]["scales"] != [1.0, 1.0]]
@@ -68,10 +119,10 @@ def test_the_closed_loop_refines_from_the_step_threads_clocks():
         (h["step"], h["plan_hash"], h.get("closed_loop", {}).get("scales")) for h in results[1]["history"]]
 
 
-def test_keeps_the_delaying_plan_when_it_measures_faster():
+def test_keeps_the_delaying_plan_when_it_measures_faster(outcome):
     # 70 steps: room for a duel of synchronous plans first, when this tiny model's priority plans happen to
     # measure a little faster than DDP's buckets
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (-1000.0, 70), timeout_s=240)]
+    results = outcome("delays faster")
     for report in results:
         assert report["state"] == "settled" and report["final_delayed"] > 0, report["history"]
         duel = report["history"][-1]["closed_loop"]["duel"]
@@ -79,11 +130,11 @@ def test_keeps_the_delaying_plan_when_it_measures_faster():
 
 
 @pytest.mark.parametrize("duel_rounds", [0, 4])
-def test_a_growing_load_does_not_fool_the_choice(duel_rounds):
+def test_a_growing_load_does_not_fool_the_choice(outcome, duel_rounds):
     """The plan with delays is truly 300 ms slower, but the machine gets 200 ms busier every step. Measured one
     after the other (no duel), the plan measured first looks faster and is kept; interleaved rounds in
     alternating order cancel the trend and keep the synchronous plan."""
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (300.0, 40, 200.0, duel_rounds), timeout_s=240)]
+    results = outcome(("growing load", duel_rounds))
     for report in results:
         assert report["initial_delayed"] > 0 and report["state"] == "settled", report["history"]
         if duel_rounds == 0:
@@ -160,15 +211,13 @@ def test_refinement_takes_the_least_change_among_fits_that_explain_the_plans_equ
     assert distance(held) <= distance(held_free) and held.error <= held_free.error + 0.01, (held, held_free)
 
 
-def test_a_later_replan_that_measures_slower_goes_back_to_synchronous():
+def test_a_later_replan_that_measures_slower_goes_back_to_synchronous(outcome):
     """After settling, a re-plan by someone else (the Preserver's trade) is measured too: slower than the measured
     synchronous plan means back to synchronous, and later re-plans stay synchronous."""
-    from workers import closed_loop_verify_run
-
     # 80 steps: the loop may also measure a plan re-solved on the refined profile before it settles (a measured
     # plan off its prediction by more than the tolerance) and duel the synchronous plans (when this tiny model's
     # priority plans happen to measure a little faster than DDP's buckets), and the re-plan's duel must still finish
-    results = [r.value for r in run_local_workers(closed_loop_verify_run, 2, (80,), timeout_s=240)]
+    results = outcome("later replan")
     for report in results:
         assert report["settled_delayed"] > 0 and report["replanned"] not in report["kept"], report["reasons"]
         assert report["state"] == "settled" and report["final_delayed"] == 0, report["reasons"]
@@ -176,13 +225,12 @@ def test_a_later_replan_that_measures_slower_goes_back_to_synchronous():
         assert any("synchronous plan won the duel" in r for r in report["reasons"][-1:]), report["reasons"]
 
 
-def test_delays_must_beat_the_fastest_synchronous_plan_a_priority_plan_included():
+def test_delays_must_beat_the_fastest_synchronous_plan_a_priority_plan_included(outcome):
     """Times (injected): DDP's buckets 1000 ms, the plan with delays 700 ms, a priority plan 650 ms. The plan with
     delays beats DDP's buckets but not the priority plan, which has no staleness: it is dueled against the
     priority plan, loses, and the priority plan runs (were DDP's buckets the only synchronous plan, it would be
     kept)."""
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (-300.0, 50, 0.0, 2, -350.0, 1000.0),
-                                                  timeout_s=240)]
+    results = outcome("fastest synchronous")
     for report in results:
         assert report["state"] == "settled" and report["final_delayed"] == 0, report["history"]
         assert report["final_policy"] in ("bytescheduler", "usbyte"), report["history"]
@@ -191,13 +239,11 @@ def test_delays_must_beat_the_fastest_synchronous_plan_a_priority_plan_included(
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
 
 
-def test_a_synchronous_deft_step_measures_and_keeps_a_faster_priority_plan():
+def test_a_synchronous_deft_step_measures_and_keeps_a_faster_priority_plan(outcome):
     """The closed loop of a deft step also measures ByteScheduler's or US-Byte's plan (DDP's numbers, waits in
     the next forward), keeps it when it measures fastest, and runs it instead of a later synchronous re-plan.
     Numbers stay DDP's at every step and after the flush."""
-    from workers import closed_loop_priority_run
-
-    results = [r.value for r in run_local_workers(closed_loop_priority_run, 2, (24, 19), timeout_s=240)]
+    results = outcome("priority kept")
     for rank, report in enumerate(results):
         reasons = report["reasons"]
         for policy in ("bytescheduler", "usbyte"):
@@ -259,13 +305,13 @@ def test_the_runtime_marks_steps_that_compile_for_the_closed_loop():
     assert counts == [1, 2, 2], counts
 
 
-def test_the_preserver_and_the_closed_loop_agree_on_a_group_beside_the_gradients():
+def test_the_preserver_and_the_closed_loop_agree_on_a_group_beside_the_gradients(outcome):
     """Their loss and timing all-reduces run after the step, when a delayed or priority plan still has gradient
     all-reduces in flight on the data-parallel group. There they would wait behind them (gloo works through a
     group's queue in order, two at a time), exposing that step's carried communication in full and moving its wait out
     of the step the closed loop times. They run on the step's control group, where a small all-reduce returns
     while large ones are still running on the data-parallel group."""
-    for report in (r.value for r in run_local_workers(control_group_run, 2, (12,), timeout_s=240)):
+    for report in outcome("control group"):
         assert report["control"] != report["data_parallel"], report
         assert report["used"] and set(report["used"]) == {report["control"]}, report
         assert report["control_waited_for"] <= 1 and report["data_parallel_waited_for"] >= 4, report
@@ -280,12 +326,10 @@ def test_the_closed_loop_is_on_by_default_for_deft_and_the_priority_policies_wit
 
 
 @pytest.mark.parametrize("policy", ["bytescheduler", "usbyte"])
-def test_a_priority_policy_refines_its_profile_and_keeps_ddps_numbers(policy):
+def test_a_priority_policy_refines_its_profile_and_keeps_ddps_numbers(outcome, policy):
     """Measured 50 ms slower than predicted: the loop scales the profile's compute up, tries the plan searched
     again on it, and settles; the policy stays the same and every step is DDP's."""
-    from workers import priority_closed_loop_run
-
-    results = [r.value for r in run_local_workers(priority_closed_loop_run, 2, (policy, 14, 50.0), timeout_s=240)]
+    results = outcome(("priority refines", policy))
     for rank, report in enumerate(results):
         reasons = report["reasons"]
         assert report["state"] == "settled", reasons
@@ -469,11 +513,10 @@ def test_a_window_of_short_steps_is_stretched_to_span_min_window_ms():
     assert window_steps(4.0, 5, 1, 0.0, 100) == 5  # 0 turns it off
 
 
-def test_the_closed_loop_stretches_its_window_alike_on_every_rank():
+def test_the_closed_loop_stretches_its_window_alike_on_every_rank(outcome):
     """A tiny model's steps take a few ms: with ``min_window_ms`` the initial plan's window grows from 3 steps to
     what spans that time by the agreed step time, and both ranks take the same decisions at the same steps."""
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, (0.0, 48, 0.0, 2, 0.0, 0.0, 150.0),
-                                                   timeout_s=240)]
+    results = outcome("stretched window")
     for report in results:
         initial = next(h for h in report["history"] if "measured the initial plan" in h["reason"])
         measured = initial["closed_loop"]["measured_ms"]
@@ -513,11 +556,11 @@ def test_a_duel_between_short_steps_gets_blocks_that_span_min_window_ms():
     assert loop.duel.block_steps == 3
 
 
-def test_a_settled_plan_with_delays_that_slows_down_duels_again_and_goes_synchronous():
+def test_a_settled_plan_with_delays_that_slows_down_duels_again_and_goes_synchronous(outcome):
     """Injected: the plan with delays is 400 ms faster until step 40, then 400 ms slower (the host got busy).
     The loop keeps it, re-checks it every 6 steps, finds it slower than when chosen, duels again and runs the
     synchronous plan; both ranks decide alike."""
-    results = [r.value for r in run_local_workers(closed_loop_recheck_run, 2, (70, 40), timeout_s=240)]
+    results = outcome(("re-check", 40))
     for report in results:
         reasons = [h["reason"] for h in report["history"]]
         won = next(i for i, r in enumerate(reasons) if "plan with delays won the duel" in r)
@@ -531,8 +574,8 @@ def test_a_settled_plan_with_delays_that_slows_down_duels_again_and_goes_synchro
     assert [h["reason"] for h in results[0]["history"]] == [h["reason"] for h in results[1]["history"]]
 
 
-def test_a_settled_plan_with_delays_that_keeps_its_speed_is_rechecked_and_kept():
-    results = [r.value for r in run_local_workers(closed_loop_recheck_run, 2, (70, None), timeout_s=240)]
+def test_a_settled_plan_with_delays_that_keeps_its_speed_is_rechecked_and_kept(outcome):
+    results = outcome(("re-check", None))
     for report in results:
         reasons = [h["reason"] for h in report["history"]]
         assert any("plan with delays won the duel" in r for r in reasons), reasons
@@ -552,12 +595,11 @@ def test_a_duel_runs_on_only_when_its_rounds_disagree():
     assert len(duel.order) == 10
 
 
-def test_a_duel_whose_rounds_disagree_runs_on_to_duel_max_rounds():
+def test_a_duel_whose_rounds_disagree_runs_on_to_duel_max_rounds(outcome):
     """Times (injected): the plan with delays runs 400 ms faster in a duel's even rounds and 400 ms slower in its odd
     ones. Two rounds disagree, so the duel runs on to six (on both ranks alike) and the median of all six decides:
     a tie, which the synchronous plan keeps (the plan with delays must win by ``min_gain``)."""
-    args = (0.0, 60, 0.0, 2, 500.0, 1000.0, 0.0, 6, 400.0)
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
+    results = outcome("rounds disagree")
     for report in results:
         duel = [h["closed_loop"]["duel"] for h in report["history"] if "duel" in h.get("closed_loop", {})][-1]
         assert duel["why"] == "settle" and len(duel["ratios"]) == 6, duel
@@ -567,15 +609,14 @@ def test_a_duel_whose_rounds_disagree_runs_on_to_duel_max_rounds():
 
 
 @pytest.mark.parametrize("priority_ms, winner", [(30.0, "ddp-buckets"), (-100.0, "priority")])
-def test_a_priority_plan_close_to_ddps_buckets_must_win_a_duel_against_them(priority_ms, winner):
+def test_a_priority_plan_close_to_ddps_buckets_must_win_a_duel_against_them(outcome, priority_ms, winner):
     """The shape of the suite's transformer launches: DDP's buckets are measured first and the host
     gets faster (here 100 ms per step), so the priority plans measured later lead by 4-17 %, less than
     ``duel_margin``. Interleaved, the trend cancels: a priority plan truly 1.5 % slower loses to DDP's buckets
     (chosen from the sequential numbers, it ran), one truly 5 % faster wins. Plans with delays are 5 s slower.
     The injected times are large (a 10 s base) so that the real step's noise on a loaded host, a few hundred
     ms in a one-step block, stays small beside the differences the duel must resolve."""
-    args = (5000.0, 50, -100.0, 2, priority_ms * 5, 10000.0)
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
+    results = outcome(("priority close", priority_ms))
     for report in results:
         duels = [h["closed_loop"]["duel"] for h in report["history"] if "duel" in h.get("closed_loop", {})]
         assert [d["why"] for d in duels] == ["synchronous"], report["history"]
@@ -594,13 +635,12 @@ def test_a_priority_plan_close_to_ddps_buckets_must_win_a_duel_against_them(prio
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
 
 
-def test_a_step_back_to_the_plan_a_duels_synchronous_block_runs_ends_the_duel():
+def test_a_step_back_to_the_plan_a_duels_synchronous_block_runs_ends_the_duel(outcome):
     """The plan with delays measures 1 s faster, and its duel against the synchronous plan would keep it. In the
     duel's synchronous block the Preserver steps back to synchronous (as when it prices the delays out): its
     options solve to the very plan that block runs, so no plan hash changes. The loop must still see the decision
     and stay synchronous, not settle on the plan with delays at the duel's verdict."""
-    args = (-1000.0, 40, 0.0, 2, 30.0, 2000.0, 0.0, 0, 0.0, False, False, True)
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
+    results = outcome("step back")
     for report in results:
         assert report["stepped_back"] is not None and report["stepped_back"][1], report["stepped_back"]
         reasons = [h["reason"] for h in report["history"]]
@@ -609,12 +649,11 @@ def test_a_step_back_to_the_plan_a_duels_synchronous_block_runs_ends_the_duel():
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
 
 
-def test_a_replan_during_the_duel_of_synchronous_plans_waits_for_its_verdict():
+def test_a_replan_during_the_duel_of_synchronous_plans_waits_for_its_verdict(outcome):
     """A re-plan with delays (as the Preserver's trade) arrives in the middle of the duel between a priority plan and
     DDP's buckets. The duel goes on to its verdict, the loop settles on the winner, then runs the re-plan, which was
     measured 1 s faster than the synchronous plans before, and so is kept."""
-    args = (-1000.0, 60, -20.0, 2, 30.0, 2000.0, 0.0, 0, 0.0, True)
-    results = [r.value for r in run_local_workers(closed_loop_run, 2, args, timeout_s=240)]
+    results = outcome("replan in duel")
     for report in results:
         assert report["replanned_at"] is not None, report["history"]
         reasons = [h["reason"] for h in report["history"]]
@@ -627,20 +666,15 @@ def test_a_replan_during_the_duel_of_synchronous_plans_waits_for_its_verdict():
     assert results[0]["plan_hash"] == results[1]["plan_hash"]
 
 
-def test_a_plan_seen_before_builds_no_graph_again():
+def test_a_plan_seen_before_builds_no_graph_again(outcome):
     """The runner keeps ``max_cached_graphs`` graphs per plan for up to four plans: switching round four plans (a plan
     with delays, its synchronous plan, ByteScheduler's and US-Byte's), two steps and a flush each, builds every
     graph in the first round and none after (a global cache of two graphs would build again at every switch);
     with a fifth plan the cache stays bounded."""
-    from cache_workers import switching_run
-    from deft_compile.tools.launcher import run_local_workers
-
-    four = ("deft", "deft-sync", "bytescheduler", "usbyte")
-    for report in (r.value for r in run_local_workers(switching_run, 2, (3, four, 2), timeout_s=300)):
+    for report in outcome(("switching", 4)):
         assert len(report["hashes"]) == 4
         assert report["builds"][0] == report["builds"][1] == report["builds"][2], report["builds"]
         assert report["cached"] <= 4 * 4, report  # max(max_cached_graphs, 2 * cycle + 2) per plan, four plans
         assert report["captures"] <= 2, report  # switches re-run the passes, they never trace the step again
-    five = four + ("wfbp",)
-    for report in (r.value for r in run_local_workers(switching_run, 2, (2, five, 2), timeout_s=300)):
+    for report in outcome(("switching", 5)):
         assert report["cached"] <= 4 * 4, report

@@ -1,4 +1,6 @@
-"""The Preserver's decisions (pure logic, no processes)."""
+"""The Preserver's decisions: its rules as pure logic, and in 2-process training runs. Every 2-process run of this
+file goes in one process pair, in turn (``CASE_LIST``, tests/batched.py), and each test asserts its own run's
+results."""
 
 from __future__ import annotations
 
@@ -6,11 +8,68 @@ import re
 
 import pytest
 
+from batched import Case, launch_cases
 from deft_compile.planner.solvers.deft import priced_step_ms
 from deft_compile.preserver import Preserver, PreserverConfig
 from deft_compile.preserver.trade import priced_step_text
+from preserver_workers import semantics_attribution_run, semantics_preserver_run, trade_run
+from workers import attribution_run, synchronous_start_run
 
 BASE = {"first_bucket_bytes": 1, "bucket_cap_bytes": 2}
+
+#: the parameters of the tests below that read 2-process runs, shared by their parametrizations and ``CASE_LIST``
+RESCUE_CASES = [("averaged", 0.02), ("compensated", 0.022)]
+#: ``test_preserver_rescues_a_run_that_staleness_breaks``'s runs, ``(enabled, synchronous, trade)``: the Preserver
+#: off (synchronous, then delayed), then on (trade mode, then veto mode)
+RESCUE_RUNS = ((False, True, True), (False, False, True), (True, False, True), (True, False, False))
+ATTRIBUTION_CASES = [("averaged", 0.02), ("compensated", 0.024)]
+#: the Preserver's options that turn the paired replay off
+UNATTRIBUTED_OPTIONS = ({"attribution_max_bytes": 1}, {"attribute_loss": False})
+ADMISSION_CASES = [(0.05, 0.05, True), (1.5, 0.0, False)]
+
+
+#: every 2-process run of this file, by key, with the tests that read it (tests/batched.py)
+CASE_LIST = (
+    [Case(("rescue", delayed_update, *run), semantics_preserver_run, (lr, run[0], 60, delayed_update, run[1], run[2]),
+          tests=(f"test_preserver_rescues_a_run_that_staleness_breaks[{delayed_update}-{lr}]",))
+     for delayed_update, lr in RESCUE_CASES for run in RESCUE_RUNS]
+    + [Case(("synchronous start", profile_given), synchronous_start_run, (profile_given, 2),
+            tests=("test_measured_profile_starts_synchronous_and_a_given_profile_does_not",))
+       for profile_given in (False, True)]
+    + [Case("forced trade", trade_run, (27, "auto", {"switch_horizon": 10 ** 6}),
+            tests=("test_measured_profile_starts_synchronous_and_a_given_profile_does_not",))]
+    + [Case(("attribution", delayed_update, arm), semantics_attribution_run,
+            (lr, steps, noisy_from, delayed_update, {"attribution_budget": None}),
+            tests=("test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_staleness_causes"
+                   f"[{delayed_update}-{unstable_lr}]",))
+       for delayed_update, unstable_lr in ATTRIBUTION_CASES
+       for arm, lr, steps, noisy_from in (("noisy", 0.002, 40, 20), ("unstable", unstable_lr, 45, None))]
+    + [Case("synchronous rise", attribution_run, (0.002, 40, 20, True),
+            tests=("test_a_loss_rise_after_synchronous_steps_only_is_dismissed_without_a_replay",))]
+    + [Case(("unattributed", *options.items()), attribution_run, (0.002, 40, 20, False, options),
+            tests=("test_without_the_replay_a_rise_after_stale_steps_steps_down",)) for options in UNATTRIBUTED_OPTIONS]
+    + [Case("replay over budget", attribution_run, (0.002, 40, 20, False, {"attribution_budget": 0.001}),
+            tests=("test_without_the_replay_a_rise_after_stale_steps_steps_down",))]
+    + [Case("trade in a duel", trade_run, (90, "auto", {"switch_horizon": 10 ** 9}, True),
+            tests=("test_a_trade_during_the_duel_of_the_last_trade_does_not_restart_it",))]
+    + [Case("kept for good", trade_run,
+            (170, "auto", {"stable_after": 2, "probe_budget": 1.0, "switch_horizon": 10 ** 6}),
+            tests=("test_compensated_delays_are_proposed_once_and_kept_for_good_once_stable",)),
+       Case("unpaid", trade_run, (60, "auto", {"switch_horizon": 1}),
+            tests=("test_compensated_delays_are_proposed_once_and_kept_for_good_once_stable",))]
+    + [Case(("admission", lr, tolerance), trade_run,
+            (70, "averaged", {"admission_steps": 10, "admission_tolerance": tolerance, "attribution_budget": None,
+                              "switch_horizon": 10 ** 6}, False, lr),
+            tests=("test_plain_delays_run_only_after_a_paired_replay_finds_them_harmless"
+                   f"[{lr}-{tolerance}-{admitted}]",))
+       for lr, tolerance, admitted in ADMISSION_CASES]
+)
+
+
+@pytest.fixture(scope="module")
+def outcome(request):
+    """The per-rank values of a run of ``CASE_LIST`` by key (a failed run fails the test that reads it)."""
+    return launch_cases(request, CASE_LIST, timeout_s=900.0)
 
 
 def _preserver(**config) -> Preserver:
@@ -139,8 +198,8 @@ def test_config_is_validated():
         PreserverConfig(staleness_every=-1)
 
 
-@pytest.mark.parametrize(("delayed_update", "lr"), [("averaged", 0.02), ("compensated", 0.022)])
-def test_preserver_rescues_a_run_that_staleness_breaks(delayed_update, lr):
+@pytest.mark.parametrize(("delayed_update", "lr"), RESCUE_CASES)
+def test_preserver_rescues_a_run_that_staleness_breaks(outcome, delayed_update, lr):
     """2 gloo workers, SGD with momentum on a regression MLP whose DeFT plan delays all but one bucket, at a rate
     where synchronous training converges and the delayed semantics diverge (plain delays at 0.02; compensated
     ones, more stable, at 0.022). With the Preserver (on by default, in trade mode; and in veto mode) the staleness
@@ -148,12 +207,8 @@ def test_preserver_rescues_a_run_that_staleness_breaks(delayed_update, lr):
     synchronous one. A plan switch re-runs the passes on the one captured graph."""
     import math
 
-    from deft_compile.tools.launcher import run_local_workers
-    from preserver_workers import semantics_preserver_run
-
     def run(enabled, synchronous, trade=True):
-        return run_local_workers(semantics_preserver_run, 2, (lr, enabled, 60, delayed_update, synchronous, trade),
-                                 timeout_s=240)[0].value
+        return outcome(("rescue", delayed_update, enabled, synchronous, trade))[0]
 
     synchronous, delayed = run(False, True), run(False, False)
     assert delayed["semantics"] == delayed_update
@@ -192,20 +247,14 @@ def test_synchronous_start_until_the_first_trade_prices_the_delays():
     assert "max_staleness" not in eager.options
 
 
-def test_measured_profile_starts_synchronous_and_a_given_profile_does_not():
+def test_measured_profile_starts_synchronous_and_a_given_profile_does_not(outcome):
     """Wiring in the running step: None means on for a measured profile, off for a given one; on, the first plan
     has no delays until the prices exist (measurements at steps 5, 10 and 25 fill the window), and then the trade
     prices them (here: a slow-link profile, so it adopts delays)."""
-    from deft_compile.tools.launcher import run_local_workers
-    from workers import synchronous_start_run
-
-    from preserver_workers import trade_run
-
-    measured = [r.value for r in run_local_workers(synchronous_start_run, 2, (False, 2), timeout_s=240)]
-    given = [r.value for r in run_local_workers(synchronous_start_run, 2, (True, 2), timeout_s=240)]
+    measured = outcome(("synchronous start", False))
+    given = outcome(("synchronous start", True))
     # the switch horizon lifted: this tiny model builds a graph in about as long as the profile's gain repays
-    forced = [r.value for r in run_local_workers(trade_run, 2, (27, "auto", {"switch_horizon": 10 ** 6}),
-                                                 timeout_s=240)]
+    forced = outcome("forced trade")
     for report in measured:
         assert report["resolved"] is True, report
     for report in given:
@@ -254,17 +303,13 @@ def test_a_decision_line_prints_what_the_rule_computes():
         check_decision_arithmetic(lost.replace("689 ms per", "541 ms per"))
 
 
-def test_a_trade_during_the_duel_of_the_last_trade_does_not_restart_it():
+def test_a_trade_during_the_duel_of_the_last_trade_does_not_restart_it(outcome):
     """The closed loop duels a traded plan against the synchronous one, alternating them in 4 x 2 blocks of
     4 steps; the next staleness measurement (step 50) falls in a synchronous block of the duel. A plan with delays
     is judged on the duel's measured times, so a measurement before its verdict decides nothing: no second trade,
     the duel reaches a verdict, and a step back to synchronous comes only after it. (The switch horizon is lifted: this tiny model's measured steps are a small
     fraction of the slow-link profile's, so its switch would not pay within 200 steps.)"""
-    from deft_compile.tools.launcher import run_local_workers
-    from preserver_workers import trade_run
-
-    results = [r.value for r in run_local_workers(trade_run, 2, (90, "auto", {"switch_horizon": 10 ** 9}, True),
-                                                  timeout_s=240)]
+    results = outcome("trade in a duel")
     for report in results:
         history = [reason for _step, reason in report["history"]]
         # a proposal, the duel's verdict (either plan may win it on a busy host), and only then any judgement of the
@@ -408,8 +453,8 @@ def test_replay_with_delays_is_worse_where_staleness_destabilises_training():
     assert set(periodic) == {6} and periodic[6] < float("inf")
 
 
-@pytest.mark.parametrize(("delayed_update", "unstable_lr"), [("averaged", 0.02), ("compensated", 0.024)])
-def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_staleness_causes(delayed_update,
+@pytest.mark.parametrize(("delayed_update", "unstable_lr"), ATTRIBUTION_CASES)
+def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_staleness_causes(outcome, delayed_update,
                                                                                                unstable_lr):
     """2 gloo workers, a plan that delays every bucket but one, the Preserver's loss rules only, under each delayed
     semantics (the replay's delayed arm runs the semantics the step runs). (a) From step 20 the targets get noisy:
@@ -421,20 +466,14 @@ def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_sta
     lifted: at step 20-45 a replay costs more than 5 % of the steps before it."""
     import math
 
-    from deft_compile.tools.launcher import run_local_workers
-    from preserver_workers import semantics_attribution_run
-
-    unlimited = {"attribution_budget": None}
-    noisy = run_local_workers(semantics_attribution_run, 2, (0.002, 40, 20, delayed_update, unlimited),
-                              timeout_s=240)[0].value
+    noisy = outcome(("attribution", delayed_update, "noisy"))[0]
     assert noisy["dismissed"] and "staleness did not cause it" in noisy["dismissed"][0], noisy["dismissed"]
     assert "paired replay of the" in noisy["dismissed"][0]
     assert noisy["delayed_now"] > 0 and noisy["events"] == [], noisy["events"]
     assert [entry["reason"] for entry in noisy["history"]] == ["initial plan"]
     assert noisy["overheads"]["attribution_seconds"] > 0
 
-    unstable = run_local_workers(semantics_attribution_run, 2, (unstable_lr, 45, None, delayed_update, unlimited),
-                                 timeout_s=240)[0].value
+    unstable = outcome(("attribution", delayed_update, "unstable"))[0]
     assert "paired replay of the" in unstable["events"][0] and "synchronous" in unstable["events"][-1], unstable["events"]
     assert unstable["delayed_now"] == 0
     if delayed_update == "averaged":
@@ -445,32 +484,25 @@ def test_the_preserver_dismisses_a_loss_rise_the_data_causes_and_acts_on_one_sta
                    for reason in unstable["dismissed"]), unstable["dismissed"]
 
 
-def test_a_loss_rise_after_synchronous_steps_only_is_dismissed_without_a_replay():
+def test_a_loss_rise_after_synchronous_steps_only_is_dismissed_without_a_replay(outcome):
     """The same noisy targets under a synchronous plan: nothing stale ran since the best window, so the
     signal is dismissed at once and the ladder stays where it is."""
-    from deft_compile.tools.launcher import run_local_workers
-    from workers import attribution_run
-
-    synchronous = run_local_workers(attribution_run, 2, (0.002, 40, 20, True), timeout_s=240)[0].value
+    synchronous = outcome("synchronous rise")[0]
     assert synchronous["dismissed"] and "no step since the best window ran" in synchronous["dismissed"][0]
     assert synchronous["events"] == [] and synchronous["level"] == 0
     assert synchronous["overheads"]["attribution_seconds"] == 0, "a synchronous run never copies its state"
 
 
-def test_without_the_replay_a_rise_after_stale_steps_steps_down():
+def test_without_the_replay_a_rise_after_stale_steps_steps_down(outcome):
     """``attribute_loss=None`` turns the replay off when the copy would exceed ``attribution_max_bytes``; the
     noisy targets' rise after delayed steps then steps down unattributed, as ``attribute_loss=False`` does.
     So does a replay (or copy) over ``attribution_budget``, and the decision says so."""
-    from deft_compile.tools.launcher import run_local_workers
-    from workers import attribution_run
-
-    for options in ({"attribution_max_bytes": 1}, {"attribute_loss": False}):
-        run = run_local_workers(attribution_run, 2, (0.002, 40, 20, False, options), timeout_s=240)[0].value
+    for options in UNATTRIBUTED_OPTIONS:
+        run = outcome(("unattributed", *options.items()))[0]
         assert run["events"] and not run["dismissed"], (options, run["events"], run["dismissed"])
         assert "paired replay" not in run["events"][0] and run["overheads"]["attribution_seconds"] == 0
 
-    run = run_local_workers(attribution_run, 2, (0.002, 40, 20, False, {"attribution_budget": 0.001}),
-                            timeout_s=240)[0].value
+    run = outcome("replay over budget")[0]
     assert run["events"] and not run["dismissed"], (run["events"], run["dismissed"])
     assert "no paired replay" in run["events"][0] and "over its budget of 0%" in run["events"][0], run["events"]
     assert "paired replay of the" not in run["events"][0]
@@ -511,21 +543,16 @@ def test_replay_of_a_model_that_returns_its_loss_with_keyword_inputs():
     assert synchronous < one_step and stale < one_step, (one_step, synchronous, stale)
 
 
-def test_compensated_delays_are_proposed_once_and_kept_for_good_once_stable():
+def test_compensated_delays_are_proposed_once_and_kept_for_good_once_stable(outcome):
     """The default semantics (SGD with momentum: compensated) on a slow-link profile, from a synchronous start: the
     first priced measurement (step 25) proposes delays and switches at once; later measurements judge the running
     plan (predicted here: no closed loop), and ``stable_after`` keeps make the decision final: probing stops and
     the plan never changes again. A switch that cannot pay within ``switch_horizon`` steps (one step here: less
     than its flush) is not proposed, and the decision stays open. (The horizon is lifted in the first run: the
     profile's predicted gain is a few ms per step, while this host builds a graph in up to a second.)"""
-    from deft_compile.tools.launcher import run_local_workers
-    from preserver_workers import trade_run
-
     # measurements at 25, 50 and 100 (their budget lifted: at 0.5 % they would be 200 steps apart)
-    results = [r.value for r in run_local_workers(trade_run, 2, (170, "auto", {"stable_after": 2, "probe_budget": 1.0,
-                                                                              "switch_horizon": 10 ** 6}),
-                                                  timeout_s=240)]
-    unpaid = [r.value for r in run_local_workers(trade_run, 2, (60, "auto", {"switch_horizon": 1}), timeout_s=240)]
+    results = outcome("kept for good")
+    unpaid = outcome("unpaid")
     for report in unpaid:
         assert len(report["history"]) == 1 and max(report["delayed"]) == 0, report["history"]
         assert report["settled"] == "" and report["probes"][:3] == [5, 10, 25]
@@ -540,19 +567,14 @@ def test_compensated_delays_are_proposed_once_and_kept_for_good_once_stable():
     assert results[0]["history"] == results[1]["history"]
 
 
-@pytest.mark.parametrize(("lr", "tolerance", "admitted"), [(0.05, 0.05, True), (1.5, 0.0, False)])
-def test_plain_delays_run_only_after_a_paired_replay_finds_them_harmless(lr, tolerance, admitted):
+@pytest.mark.parametrize(("lr", "tolerance", "admitted"), ADMISSION_CASES)
+def test_plain_delays_run_only_after_a_paired_replay_finds_them_harmless(outcome, lr, tolerance, admitted):
     """Plain averaged delays (``delayed_update="averaged"``): the trade's proposal does not switch; the step stays
     synchronous while the next ``admission_steps`` minibatches are kept and replayed from a copy, with the delays
     and synchronous. Where the delayed arm ends within the tolerance of the synchronous arm's lag-earlier loss
     the delays are admitted and run; where it ends above it (a learning rate one step of staleness destabilises)
     the decision settles synchronous for good: no delay ever runs, and probing stops."""
-    from deft_compile.tools.launcher import run_local_workers
-    from preserver_workers import trade_run
-
-    options = {"admission_steps": 10, "admission_tolerance": tolerance, "attribution_budget": None,
-               "switch_horizon": 10 ** 6}
-    results = [r.value for r in run_local_workers(trade_run, 2, (70, "averaged", options, False, lr), timeout_s=240)]
+    results = outcome(("admission", lr, tolerance))
     for report in results:
         assert report["semantics"] == "averaged"
         reasons = [reason for _step, reason in report["history"][1:]]

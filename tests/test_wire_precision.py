@@ -15,6 +15,9 @@ copied back into the float32 bucket), 2 gloo processes:
   compiled gradients are eager's bit for bit for several steps: a zero yardstick). The bound does not tell a
   narrowed wire from a float32 one (the wire's own change is of the same size): the aten test does, and here the
   step graph is checked to send 16-bit buffers.
+
+The aten-route 2-process runs of this file go in one process pair, in turn (``CASE_LIST``, tests/batched.py), and each
+test asserts its own run's results; the Inductor tests launch their own pairs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 
 import pytest
 
+from batched import Case, launch_cases
 from bounds import check_within_drift, worst
 from deft_compile import DeftConfig
 from deft_compile.preserver import PreserverConfig
@@ -37,6 +41,49 @@ from workers import check_entry
 
 WIRES = ("float16", "bfloat16")
 STEPS = 6
+STEP_CASES = ["mlp_dropout_sgd", "transformer_sgd"]
+PRIORITY_POLICIES = ["bytescheduler", "usbyte"]
+DELAYED_WIRE_CASES = [("compensated", 1), ("averaged", 2), ("local", 1)]
+#: the bucket caps of the ``deft_chooses_wire`` runs
+SMALL_BUCKETS = {"first_bucket_mb": 0.0002, "bucket_cap_mb": 0.004}
+#: ``test_where_no_price_can_buy_delays_a_measurement_prices_only_the_wire``'s trade margins: one no delay can gain
+#: (ten compute steps), and the default
+TRADE_MARGINS = (10.0, PreserverConfig().trade_margin)
+
+#: every aten-route 2-process run of this file, by key, with the tests that read it (tests/batched.py)
+CASE_LIST = (
+    [Case(("all-reduce", wire), plain_all_reduce, (wire,), tests=(f"test_gloo_all_reduces_16_bit_tensors[{wire}]",))
+     for wire in WIRES]
+    + [Case(("hook by name", wire), register_hook_by_name, (wire,),
+            tests=("test_ddp_refuses_the_bf16_hook_by_name_not_gloo",)) for wire in WIRES]
+    + [Case(("wfbp", wire, case), wire_beside_ddp, (case, STEPS, wire),
+            tests=(f"test_wfbp_with_a_16_bit_wire_is_ddp_with_the_compression_hook[{wire}-{case}]",))
+       for case in STEP_CASES for wire in WIRES]
+    + [Case(("priority", wire, policy), priority_wire_beside_ddp, ("mlp_dropout_sgd", 5, policy, wire),
+            tests=(f"test_priority_plans_with_a_16_bit_wire_are_ddp_with_the_hook[{wire}-{policy}]",))
+       for policy in PRIORITY_POLICIES for wire in WIRES]
+    + [Case(("delayed", delayed_update, accumulation), delayed_wire_run,
+            ("mlp_dropout_sgd", 6, "float16", accumulation, delayed_update),
+            tests=(f"test_delayed_buckets_carry_the_16_bit_tensor[{delayed_update}-{accumulation}]",))
+       for delayed_update, accumulation in DELAYED_WIRE_CASES]
+    + [Case("prices", deft_chooses_wire, ("mlp_dropout_sgd", 4, SMALL_BUCKETS),
+            tests=("test_deft_prices_each_16_bit_wire_on_its_first_call",)),
+       Case("below float16", deft_chooses_wire, ("mlp_dropout_sgd", 4, SMALL_BUCKETS, 1e-9),
+            tests=("test_gradients_below_float16_s_range_never_cross_in_float16",)),
+       Case("float32 wire", deft_chooses_wire,
+            ("mlp_dropout_sgd", 4, {**SMALL_BUCKETS, "wire_dtypes": ("float32",)}),
+            tests=("test_a_float32_wire_is_one_setting_away",))]
+    + [Case(("trade margin", margin), deft_chooses_wire,
+            ("mlp_dropout_sgd", 26, {**SMALL_BUCKETS, "preserver": {"trade_margin": margin}}),
+            tests=("test_where_no_price_can_buy_delays_a_measurement_prices_only_the_wire",))
+       for margin in TRADE_MARGINS]
+)
+
+
+@pytest.fixture(scope="module")
+def outcome(request):
+    """The per-rank values of a run of ``CASE_LIST`` by key (a failed run fails the test that reads it)."""
+    return launch_cases(request, CASE_LIST, timeout_s=900.0)
 
 
 # -- plan data -------------------------------------------------------------------------------------------------
@@ -153,19 +200,19 @@ def test_a_plan_item_is_frozen_with_its_wire():
 
 # -- what gloo takes -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("wire", WIRES)
-def test_gloo_all_reduces_16_bit_tensors(wire):
-    for result in run_local_workers(plain_all_reduce, 2, (wire,), timeout_s=120):
-        assert result.value["dtype"] == f"torch.{wire}"
-        assert result.value["values"] == result.value["expected"]
+def test_gloo_all_reduces_16_bit_tensors(outcome, wire):
+    for value in outcome(("all-reduce", wire)):
+        assert value["dtype"] == f"torch.{wire}"
+        assert value["values"] == value["expected"]
 
 
-def test_ddp_refuses_the_bf16_hook_by_name_not_gloo():
+def test_ddp_refuses_the_bf16_hook_by_name_not_gloo(outcome):
     """DDP's ``_check_comm_hook`` refuses a hook named ``bf16_compress_hook`` unless torch is a CUDA build with NCCL
     2.10+ (or XPU with XCCL), whatever the backend; the fp16 hook registers, and the bf16 hook's own code runs on
     gloo under another name (``wire_workers.bf16_hook``, used by the tests below)."""
-    assert [r.value for r in run_local_workers(register_hook_by_name, 2, ("float16",), timeout_s=120)] == ["ok", "ok"]
-    for result in run_local_workers(register_hook_by_name, 2, ("bfloat16",), timeout_s=120):
-        assert result.value.startswith("TypeError: BF16 all reduce communication hook required CUDA 11+ and NCCL")
+    assert outcome(("hook by name", "float16")) == ["ok", "ok"]
+    for value in outcome(("hook by name", "bfloat16")):
+        assert value.startswith("TypeError: BF16 all reduce communication hook required CUDA 11+ and NCCL")
 
 
 # -- the step against DDP with the hook --------------------------------------------------------------------------
@@ -176,11 +223,10 @@ def _check_graph(report: dict, wire: str) -> None:
     assert code.count("_deft_wire_") >= report["items"]
 
 
-@pytest.mark.parametrize("case", ["mlp_dropout_sgd", "transformer_sgd"])
+@pytest.mark.parametrize("case", STEP_CASES)
 @pytest.mark.parametrize("wire", WIRES)
-def test_wfbp_with_a_16_bit_wire_is_ddp_with_the_compression_hook(wire, case):
-    for rank, result in enumerate(run_local_workers(wire_beside_ddp, 2, (case, STEPS, wire), timeout_s=300)):
-        report = result.value
+def test_wfbp_with_a_16_bit_wire_is_ddp_with_the_compression_hook(outcome, wire, case):
+    for rank, report in enumerate(outcome(("wfbp", wire, case))):
         assert report["compiler"] == "aten" and report["items"] >= 3
         _check_graph(report, wire)
         for entry in report["steps"]:
@@ -191,26 +237,23 @@ def test_wfbp_with_a_16_bit_wire_is_ddp_with_the_compression_hook(wire, case):
         assert max(entry["sides"][0]["max_rel"] for entry in report["steps"]) > 0
 
 
-@pytest.mark.parametrize("policy", ["bytescheduler", "usbyte"])
+@pytest.mark.parametrize("policy", PRIORITY_POLICIES)
 @pytest.mark.parametrize("wire", WIRES)
-def test_priority_plans_with_a_16_bit_wire_are_ddp_with_the_hook(wire, policy):
+def test_priority_plans_with_a_16_bit_wire_are_ddp_with_the_hook(outcome, wire, policy):
     """Their all-reduces are pending across calls (waited before each layer's next forward): the carried tensors
     are the 16-bit ones, and the updates DDP's with the hook, bit for bit, every step and after ``flush()``."""
-    for rank, result in enumerate(run_local_workers(priority_wire_beside_ddp, 2, ("mlp_dropout_sgd", 5, policy, wire),
-                                                    timeout_s=300)):
-        report = result.value
+    for rank, report in enumerate(outcome(("priority", wire, policy))):
         assert report["wire"] == [wire] and report["pending_dtypes"] == [f"torch.{wire}"]
         for entry in report["steps"] + [report["final"]]:
             assert entry["missing"] == [] and entry["max_abs"] == 0.0, f"{policy}/{wire} rank {rank}: {entry}"
         assert all(entry["deferred"] for entry in report["steps"]) and report["pending_after_flush"] == []
 
 
-@pytest.mark.parametrize("delayed_update, accumulation", [("compensated", 1), ("averaged", 2), ("local", 1)])
-def test_delayed_buckets_carry_the_16_bit_tensor(delayed_update, accumulation):
+@pytest.mark.parametrize("delayed_update, accumulation", DELAYED_WIRE_CASES)
+def test_delayed_buckets_carry_the_16_bit_tensor(outcome, delayed_update, accumulation):
     """deft's delayed buckets (launched in the next call) carry their 16-bit cast; every rank applies the same
     averages, so the replicas agree after ``flush()``."""
-    results = [r.value for r in run_local_workers(delayed_wire_run, 2, ("mlp_dropout_sgd", 6, "float16", accumulation,
-                                                                        delayed_update), timeout_s=300)]
+    results = outcome(("delayed", delayed_update, accumulation))
     for report in results:
         assert report["delayed"] > 0 and report["wire"] == ["float16"]
         assert report["pending_dtypes"] == ["torch.float16"] and report["finite"] and report["pending_after_flush"] == []
@@ -231,15 +274,11 @@ def test_wfbp_with_a_16_bit_wire_on_inductor_is_ddp_with_the_hook_to_round_off(w
 
 
 # -- deft's choice by price (the solver's rules: tests/test_wire_choice.py) --------------------------------------
-SMALL_BUCKETS = {"first_bucket_mb": 0.0002, "bucket_cap_mb": 0.004}
-
-
-def test_deft_prices_each_16_bit_wire_on_its_first_call():
+def test_deft_prices_each_16_bit_wire_on_its_first_call(outcome):
     """The defaults measure both 16-bit dtypes on the first call's gradients: every parameter priced, the same
     prices on every rank, float16 (11 significant bits) cheaper than bfloat16 (8) for gradients in its range; a
     narrowed bucket takes the cheaper dtype, and the plan table shows each item's wire."""
-    results = [r.value for r in run_local_workers(deft_chooses_wire, 2, ("mlp_dropout_sgd", 4, SMALL_BUCKETS),
-                                                  timeout_s=300)]
+    results = outcome("prices")
     prices = results[0]["prices"]
     assert prices == results[1]["prices"], "every rank solves with the same prices"
     assert set(prices) == {"bfloat16", "float16"}
@@ -252,36 +291,31 @@ def test_deft_prices_each_16_bit_wire_on_its_first_call():
         assert result["wire_seconds"] > 0
 
 
-def test_gradients_below_float16_s_range_never_cross_in_float16():
+def test_gradients_below_float16_s_range_never_cross_in_float16(outcome):
     """A loss scaled by 1e-9 puts every gradient below float16's smallest number once divided by the world size:
     float16 is priced at (about) each parameter's whole share of progress, a hundred times bfloat16's round-off,
     and no bucket crosses in float16."""
-    for result in (r.value for r in run_local_workers(deft_chooses_wire, 2, ("mlp_dropout_sgd", 4, SMALL_BUCKETS,
-                                                                               1e-9), timeout_s=300)):
+    for result in outcome("below float16"):
         prices = result["prices"]
         assert sum(prices["float16"].values()) > 100 * sum(prices["bfloat16"].values()), prices
         assert "float16" not in result["wire"], result["table"]
 
 
-def test_a_float32_wire_is_one_setting_away():
+def test_a_float32_wire_is_one_setting_away(outcome):
     """``DeftConfig(wire_dtypes=("float32",))``: nothing measured, every item float32, DDP's numbers bit for bit on
     the aten route (the synchronous start)."""
-    config = {**SMALL_BUCKETS, "wire_dtypes": ("float32",)}
-    for result in (r.value for r in run_local_workers(deft_chooses_wire, 2, ("mlp_dropout_sgd", 4, config),
-                                                      timeout_s=300)):
+    for result in outcome("float32 wire"):
         assert result["prices"] is None and set(result["wire"]) == {"float32"}
         for entry in result["steps"]:
             check_entry(entry, True, f"step {entry['step']}")
 
 
-def test_where_no_price_can_buy_delays_a_measurement_prices_only_the_wire():
+def test_where_no_price_can_buy_delays_a_measurement_prices_only_the_wire(outcome):
     """A margin no delay can gain (ten compute steps) leaves nothing for a staleness price to decide: every due
     measurement of a plan that narrows buckets is one eager pass pricing the wire, none is the two-pass staleness
     measurement, and the plan stays synchronous. With the default margin the same run measures staleness."""
     def run(margin: float) -> list[dict]:
-        config = {**SMALL_BUCKETS, "preserver": {"trade_margin": margin}}
-        return [r.value for r in run_local_workers(deft_chooses_wire, 2, ("mlp_dropout_sgd", 26, config),
-                                                   timeout_s=300)]
+        return outcome(("trade margin", margin))
 
     for result in run(10.0):
         assert "float16" in result["wire"] or "bfloat16" in result["wire"], result["table"]

@@ -226,18 +226,18 @@ class Trader:
         if gain_ms < self.config.trade_margin * compute or not switch_pays(gain_ms * scale,
                                                                            self.config.switch_horizon, cost_ms):
             log.info("Preserver at step %d: delays would gain %.3g ms per step (synchronous %.3g ms - priced step: %s; "
-                     "needed: %.0f%% of compute, %.3g ms, and a switch of %.3g ms repaid in %d steps): the plan stays "
-                     "synchronous", step_count, gain_ms * scale, sync_ms,
+                     "needed: %.0f%% of compute, %.3g ms), %.3g ms on the step's clock (needed: a switch of %.3g ms "
+                     "repaid in %d steps): the plan stays synchronous", step_count, gain_ms, sync_ms,
                      priced_step_text(plan_ms, price_ms, compute, "predicted"), self.config.trade_margin * 100,
-                     self.config.trade_margin * compute, cost_ms, self.config.switch_horizon)
+                     self.config.trade_margin * compute, gain_ms * scale, cost_ms, self.config.switch_horizon)
             return None
         delayed = sum(1 for item in priced.items if item.delay)
         periodic = sum(1 for item in priced.items if item.period > 1)
         reason = (f"staleness priced (κ={self.config.staleness_price:g}): {delayed} delayed and {periodic} periodic "
                   f"of {len(priced.items)} items; {priced_step_text(plan_ms, price_ms, compute, 'predicted')} "
-                  f"against {sync_ms:.3g} ms synchronous: a gain of {gain_ms * scale:.3g} ms per step (at least "
-                  f"{self.config.trade_margin:.0%} of compute, {self.config.trade_margin * compute:.3g} ms) against a "
-                  f"switch of {cost_ms:.3g} ms")
+                  f"against {sync_ms:.3g} ms synchronous: a gain of {gain_ms:.3g} ms per step (at least "
+                  f"{self.config.trade_margin:.0%} of compute, {self.config.trade_margin * compute:.3g} ms), "
+                  f"{gain_ms * scale:.3g} ms on the step's clock against a switch of {cost_ms:.3g} ms")
         if preserver.plain_delays and self.admission is not None:
             preserver.admission = {"kind": "propose", "prices": [dict(p) for p in prices],
                                    "reason": reason, "schedule": schedule_by_name(priced, names), "metrics": metrics}
