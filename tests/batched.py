@@ -15,7 +15,6 @@ cases that need a different process environment (``Case.env``) run in a launch o
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import tempfile
