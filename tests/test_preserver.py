@@ -664,3 +664,29 @@ def test_a_staleness_price_measured_below_the_base_learning_rate_is_scaled_to_it
         optimizer.step()
         scheduler.step()
     assert rate_scales(optimizer) == {}, "at the base rate"
+
+
+def test_the_step_solves_each_plan_once_per_profile():
+    """``StepPlanning.solve`` keeps the plans it solved by profile and options: the Preserver's gates and its
+    measurement ask for the same unpriced and synchronous plans at one step. The kept plan is the one the solver
+    gives; a refined profile solves again."""
+    from deft_compile.planner.solvers import solve
+    from deft_compile.planner.zoo_profiles import build_profile
+    from deft_compile.step.planning import SOLVED_KEPT, StepPlanning
+
+    from deft_compile.config import DeftConfig
+
+    profile = build_profile("gpt2", inter_gbps=25)
+    planning = StepPlanning("deft", None, DeftConfig(), None, None, None, None, profile, None)
+    unpriced = {"first_bucket_bytes": 2**20, "bucket_cap_bytes": 25 * 2**20}
+    synchronous = {**unpriced, "max_staleness": 0}
+    plan = planning.solve(unpriced)
+    assert planning.solve(dict(unpriced)) is plan and plan.hash() == solve(profile, "deft", **unpriced).hash()
+    assert planning.solve(synchronous) is not plan
+    assert planning.solve(synchronous).hash() == solve(profile, "deft", **synchronous).hash()
+    for cap in range(SOLVED_KEPT + 1):  # the oldest plan leaves once more than SOLVED_KEPT are kept
+        planning.solve({**unpriced, "bucket_cap_bytes": (cap + 2) * 2**20})
+    assert planning.solve(unpriced) is not plan
+    planning.profile = build_profile("gpt2", inter_gbps=25)  # a new profile object: solved again
+    refined = planning.solve(unpriced)
+    assert refined is not planning.solve({**unpriced, "max_staleness": 0}) and refined.hash() == plan.hash()

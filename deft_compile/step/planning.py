@@ -15,6 +15,7 @@ Preserver's hookup.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ from deft_compile.timing import comm_device
 
 log = logging.getLogger("deft_compile")
 
+SOLVED_KEPT = 8  # plans ``StepPlanning.solve`` keeps
+
 
 class StepPlanning:
     """Owns what the step runs: its profile and plan, their history, and the controllers that change them.
@@ -77,6 +80,7 @@ class StepPlanning:
         self._profile_given = profile is not None  # the user's plan: no closed loop, no synchronous start
         self._index: ProfileIndex | None = None
         self._link_groups: list[CommGroup] = []
+        self._solved: tuple[Profile | None, dict[str, Plan]] = (None, {})  # ``solve``'s last plans
         self._preserver_state: dict[str, Any] | None = None  # loaded by load_state_dict, for the Preserver
         # the measured price of each 16-bit wire dtype per parameter (``_measure_wire``); every plan of the step
         # is solved with them, so they are saved with the plan
@@ -298,10 +302,21 @@ class StepPlanning:
         return options
 
     def solve(self, options: dict[str, Any]) -> Plan:
-        """The plan this step's policy gives for its profile with solver ``options`` (nothing changes)."""
+        """The plan this step's policy gives for its profile with solver ``options`` (nothing changes). Solving is
+        pure, so the last few plans are kept by profile and options: the Preserver's gates and its measurement ask
+        for the same unpriced and synchronous plans at one step."""
         if self.closed_loop is not None:
             options = self.closed_loop.adjust_options(options)
-        return solve(self.profile, self.policy, **options)
+        key = json.dumps(options, sort_keys=True, default=repr)
+        profile, solved = self._solved
+        if profile is not self.profile:
+            solved.clear()
+            self._solved = (self.profile, solved)
+        if key not in solved:
+            if len(solved) >= SOLVED_KEPT:
+                solved.pop(next(iter(solved)))
+            solved[key] = solve(self.profile, self.policy, **options)
+        return solved[key]
 
     def switch_plan(self, options: dict[str, Any], reason: str, plan: Plan | None = None, record: bool = True) -> None:
         """See ``CompiledStep.switch_plan``."""
