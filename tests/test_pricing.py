@@ -121,6 +121,10 @@ def test_probes_never_cost_more_than_their_budget():
     probes.after_measurement(4, changed=False, probe_ms=50, step_ms=10)
     # a 50 ms probe at 5 % of a 10 ms step: at least 100 steps apart
     assert probes.after_measurement(10, changed=True, probe_ms=50, step_ms=10) == 100
+    # the budget holds past the backoff's longest interval (every x backoff = 20 steps here)
+    capped = ProbeSchedule(every=10, backoff=2, budget=0.05)
+    assert capped.after_measurement(10, changed=False, probe_ms=50, step_ms=10) == 100
+    assert capped.after_measurement(110, changed=False, probe_ms=20, step_ms=10) == 40
 
 
 def test_trade_mode_options_carry_prices_or_go_synchronous():

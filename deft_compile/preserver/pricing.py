@@ -220,8 +220,10 @@ class ProbeSchedule:
 
     Two early measurements (``every // 5`` and twice that) catch harm in the first steps; then one every
     ``every`` steps. After a measurement that left the plan as it was, the interval doubles, up to
-    ``every × backoff``; after one that changed the plan it returns to ``every``. The interval never
-    lets the probes cost more than ``budget`` of the step time on average.
+    ``every × backoff``; after one that changed the plan it returns to ``every``. Past the early ones, the
+    interval never lets a measurement cost more than ``budget`` of the steps' time until the next one, even where
+    that is longer than ``every × backoff``: the budget bounds the probes' cost, the backoff only how long
+    unchanged prices go unmeasured.
     """
 
     every: int
@@ -264,7 +266,7 @@ class ProbeSchedule:
         longest = self.every * max(1, self.backoff)
         self.interval = self.every if changed else min(longest, self.interval * 2)
         if step_ms > 0 and self.budget > 0:  # probes at most `budget` of the training time
-            self.interval = max(self.interval, min(longest, math.ceil(probe_ms / (self.budget * step_ms))))
+            self.interval = max(self.interval, math.ceil(probe_ms / (self.budget * step_ms)))
         self.next_step = step + self.interval
         return self.interval
 
