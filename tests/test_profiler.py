@@ -56,3 +56,16 @@ def test_the_step_takes_its_contention_from_the_config(outcome):
     assert results[0] == results[1] == {"default": 0.0, "given": 0.25, "measured": 0.0}
     with pytest.raises(ValueError, match="contention"):
         DeftConfig(contention=1.5)
+
+
+def test_a_link_probe_takes_fewer_rounds_of_a_size_predicted_to_pass_its_budget():
+    """``probe_repeats``: the previous size's time scaled by the size ratio predicts a round; rounds past the
+    budget are dropped, down to the fewest allowed; without a budget or a previous size, every round runs."""
+    from deft_compile.step.profiler import LEAST_LINK_REPEATS, probe_repeats
+
+    assert probe_repeats(None, 1 << 22, 6, 250.0) == 6
+    assert probe_repeats((1 << 20, 40.0), 1 << 22, 6, None) == 6
+    assert probe_repeats((1 << 16, 1.0), 1 << 20, 6, 250.0) == 6  # 16 ms a round: all six fit
+    assert probe_repeats((1 << 20, 20.0), 1 << 22, 6, 250.0) == 3  # 80 ms a round: three fit
+    assert probe_repeats((1 << 20, 40.0), 1 << 22, 6, 250.0) == LEAST_LINK_REPEATS == 3  # 160 ms: the fewest
+    assert probe_repeats((1 << 20, 40.0), 1 << 22, 2, 250.0) == 2  # never more than asked

@@ -46,6 +46,10 @@ from deft_compile.timing import HostClock, clock_for, comm_device, resolve_ms
 
 # All-reduce sizes the profiler times to fit a link's alpha and beta.
 LINK_PROBE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+#: the timed rounds of one probe size stop short of ``repeats`` past this predicted time (``probe_repeats``)
+LINK_PROBE_BUDGET_MS = 250.0
+#: the fewest timed rounds of one probe size
+LEAST_LINK_REPEATS = 3
 
 
 class _TimingInterpreter(fx.Interpreter):
@@ -181,10 +185,25 @@ def _removed_before_running(node: fx.Node) -> bool:
     return target in ops.MARKERS or (isinstance(target, torch._ops.OpOverload) and target.namespace == "profiler")
 
 
-def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, warmup: int = 1) -> list[tuple[int, float]]:
+def probe_repeats(previous: tuple[int, float] | None, nbytes: int, repeats: int, budget_ms: float | None,
+                  least: int = LEAST_LINK_REPEATS) -> int:
+    """How many timed all-reduces of ``nbytes`` a link probe takes: ``repeats``, fewer where the time predicted
+    for them passes ``budget_ms``, never under ``least``. The prediction scales the previous (smaller) size's
+    measured time by the size ratio, which never underestimates a cost α + β·bytes; every rank has that time (the
+    slowest rank's), so every rank takes the same count. On a slow link the largest size takes most of the probe's
+    time; its time is then the mean of the faster two of three rounds."""
+    if budget_ms is None or previous is None or previous[0] <= 0:
+        return repeats
+    predicted = previous[1] * nbytes / previous[0]
+    return max(min(least, repeats), min(repeats, int(budget_ms // predicted) if predicted > 0 else repeats))
+
+
+def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, warmup: int = 1,
+                      budget_ms: float | None = None) -> list[tuple[int, float]]:
     """All-reduce time (ms) of a float32 tensor per size, over ``group``; every rank must call it.
 
-    The time per size is the mean of the faster half of ``repeats`` (``fast_mean``).
+    The time per size is the mean of the faster half of ``repeats`` (``fast_mean``); ``budget_ms``: fewer repeats
+    where they would take longer (``probe_repeats``).
 
     Each repeat starts after a barrier and its time is the slowest rank's (a MAX
     all-reduce of the per-rank times), so all ranks return the same numbers and a
@@ -195,13 +214,13 @@ def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, 
         raise ValueError("repeats must be >= 1")
     device = comm_device(group)
     clock = clock_for(device)
-    results = []
+    results: list[tuple[int, float]] = []
     for size in sizes_bytes:
         tensor = torch.ones(max(1, int(size) // 4), dtype=torch.float32, device=device)
         for _ in range(warmup):
             dist.all_reduce(tensor, group=group)
         samples = []
-        for _ in range(repeats):
+        for _ in range(probe_repeats(results[-1] if results else None, tensor.numel() * 4, repeats, budget_ms)):
             dist.barrier(group=group)
             samples.append(clock.time_call(lambda: dist.all_reduce(tensor, group=group))[1])
         times = torch.tensor(samples, dtype=torch.float64, device=device)
@@ -217,7 +236,8 @@ def measure_link(name: str, group: Any, repeats: int = 6) -> LinkCost:
     while gloo runs a group's collectives on two threads, so back-to-back messages overlap their latencies:
     with the single-message latency (1–3 ms on a shaped link) a plan of 160 messages was predicted 72 %
     too slow. Every rank must call it."""
-    alpha, beta = fit_alpha_beta(measure_allreduce(group, LINK_PROBE_BYTES, repeats=repeats))
+    alpha, beta = fit_alpha_beta(measure_allreduce(group, LINK_PROBE_BYTES, repeats=repeats,
+                                                   budget_ms=LINK_PROBE_BUDGET_MS))
     queued = max(0.0, measure_queued_message_ms(group) - beta * 4)
     return LinkCost(name, min(alpha, queued), beta)
 
