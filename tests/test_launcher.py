@@ -18,17 +18,21 @@ VARIABLE = "DEFT_TEST_LAUNCH_VALUE"
 
 @pytest.mark.parametrize("method", launcher.START_METHODS)
 def test_workers_see_the_current_environment_and_a_working_group(monkeypatch, method):
+    """Workers see the environment of the launch. A fork server outlives a launch, so there a second value is set
+    after the server runs and the next launch's workers must see it; spawned workers start from the launcher's
+    environment each time, and one launch shows it."""
+    values = ("first", "second") if method == "forkserver" else ("first",)
     seen = []
-    for value in ("first", "second"):  # set after a fork server may already run: workers still see it
+    for value in values:
         monkeypatch.setenv(VARIABLE, value)
         results = launcher.run_local_workers(launch_facts, 2, (VARIABLE,), timeout_s=120, start_method=method)
         seen.append([r.value for r in results])
-    for value, per_rank in zip(("first", "second"), seen):
+    for value, per_rank in zip(values, seen):
         assert [facts["value"] for facts in per_rank] == [value, value]
         assert [facts["sum"] for facts in per_rank] == [3.0, 3.0]
         assert [facts["threads"] for facts in per_rank] == [1, 1]
     pids = {facts["pid"] for per_rank in seen for facts in per_rank}
-    assert len(pids) == 4 and os.getpid() not in pids, "each launch starts its own worker processes"
+    assert len(pids) == 2 * len(values) and os.getpid() not in pids, "each launch starts its own worker processes"
 
 
 @pytest.fixture
