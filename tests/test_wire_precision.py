@@ -320,7 +320,8 @@ def test_where_no_price_can_buy_delays_a_measurement_prices_only_the_wire(outcom
     for result in run(10.0):
         assert "float16" in result["wire"] or "bfloat16" in result["wire"], result["table"]
         overheads = result["overheads"]
-        assert overheads["staleness_probes"] == 0 and overheads["wire_probes"] == 3, overheads  # steps 5, 10, 25
+        # step 25 only: the first call priced the wire, and the early measurements (steps 5, 10) are staleness's
+        assert overheads["staleness_probes"] == 0 and overheads["wire_probes"] == 1, overheads
         assert not any("staleness" in reason for reason in result["history"]), result["history"]
     for result in run(PreserverConfig().trade_margin):
         assert result["overheads"]["staleness_probes"] > 0, result["overheads"]
