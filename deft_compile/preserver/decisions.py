@@ -122,8 +122,9 @@ class PreserverConfig:
             doubles up to ``staleness_every × probe_backoff``. 8 so measurements that change nothing stop
             costing time, while prices that move are still seen within 200 steps.
         probe_budget: trade mode: past the early measurements, each is spaced so that it takes at most this share
-            of the steps' time until the next one (its measured cost counts), even beyond ``probe_backoff``'s. 0.5 % because measured overheads of 8-11 % of the training clock left
-            the delays nothing to gain at coverage rates 2-3.
+            of the steps' time until the next one (its measured cost counts), even beyond ``probe_backoff``'s.
+            0.5 % because measured overheads of 8-11 % of the training clock left the delays nothing to gain at
+            coverage rates 2-3.
         trade_margin: hysteresis: a proposal with delays must gain this share of the compute step per step
             (priced, predicted) over the synchronous plan, and a running plan with delays goes back only when its
             measured step, priced, exceeds the measured synchronous step by this share of it. 5 % because prices
