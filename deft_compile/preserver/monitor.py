@@ -10,7 +10,8 @@ forward/backward passes, see :mod:`deft_compile.preserver.staleness`), then all-
 two numbers per bucket. A measurement whose price could not change the decision (the trade's
 ``staleness_can_pay``) is not taken; where the running plan sends buckets in 16 bits it becomes
 one pass at the weights after the step, which prices the wire's cast error only (from ``staleness_every``
-on: the first call priced the wire, and the early measurements are for staleness). With
+on: the first call priced the wire, ``StepPlanning._measure_wire``, and the early measurements are for
+staleness). With
 ``attribute_loss`` it copies the state before the first stale step after each new best loss
 window and keeps the minibatches since; after a finite loss signal it replays them with and
 without the staleness that ran (:mod:`deft_compile.preserver.attribution`), then all-reduces
@@ -172,9 +173,7 @@ class PreserverMonitor:
             if not self._measuring:
                 self.preserver.probes.postpone(self.config.staleness_every)
                 return
-            if self._measuring == "wire" and step < self.config.staleness_every:
-                # the first call priced the wire (``StepPlanning._measure_wire``): the early measurements are for
-                # staleness's harm, and the wire's first re-measurement is at ``staleness_every``
+            if self._measuring == "wire" and step < self.config.staleness_every:  # priced by the first call
                 self._measuring = ""
                 self.preserver.probes.postpone(self.config.staleness_every - step)
                 return
