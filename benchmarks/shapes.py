@@ -10,7 +10,9 @@ Inductor cache (cold), in rotating order across launches:
 * ``deft``: ``deft_compile`` with every default (Inductor in regions);
 * ``deft-graph``: ``DeftConfig(compiler="inductor-graph")``;
 * ``deft-aten``: ``DeftConfig(compiler="aten")``;
-* ``torch.compile``: ``torch.compile(model)`` (automatic dynamic shapes) with an eager AdamW.
+* ``torch.compile``: ``torch.compile(model)`` (automatic dynamic shapes) with an eager AdamW;
+* ``deft-marked``, ``torch.compile-marked``: ``deft`` and ``torch.compile``, each call's length marked with
+  ``torch._dynamo.mark_dynamic``, so both capture it symbolic from the first call.
 
 Per variant: wall-clock from the first call (construction, captures, compiles and planning included), Inductor
 compiles (regions or graphs; Dynamo's graphs for ``torch.compile``), captures, and the losses (the ``deft``
@@ -42,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LENGTHS = [33, 41, 29, 57, 48, 36] * 3
-SEQUENCE_VARIANTS = ("deft", "deft-graph", "deft-aten", "torch.compile")
+SEQUENCE_VARIANTS = ("deft", "deft-graph", "deft-aten", "torch.compile", "deft-marked", "torch.compile-marked")
 TRAINER_VARIANTS = ("trainer", "trainer-compile", "deft", "deft-wfbp")
 VOCAB = 96
 
@@ -63,7 +65,9 @@ def sequence_worker(variant: str) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (8, length + 1), generator=data) for length in LENGTHS]
-    if variant == "torch.compile":
+    marked = variant.endswith("-marked")
+    base = variant.removesuffix("-marked")
+    if base == "torch.compile":
         compiled = torch.compile(model)
 
         def step(inputs, targets):
@@ -73,15 +77,19 @@ def sequence_worker(variant: str) -> dict[str, Any]:
             optimizer.step()
             return loss
     else:
-        compiler = {"deft": "inductor", "deft-graph": "inductor-graph", "deft-aten": "aten"}[variant]
+        compiler = {"deft": "inductor", "deft-graph": "inductor-graph", "deft-aten": "aten"}[base]
         step = deft_compile(model, optimizer, config=DeftConfig(compiler=compiler))
     times, losses = [], []
     for tokens in batches:
         begun = time.perf_counter()
-        losses.append(float(step(tokens[:, :-1], tokens[:, 1:]).detach()))
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if marked:  # the length is symbolic from the first call
+            torch._dynamo.mark_dynamic(inputs, 1)
+            torch._dynamo.mark_dynamic(targets, 1)
+        losses.append(float(step(inputs, targets).detach()))
         times.append(time.perf_counter() - begun)
     result = {"variant": variant, "wall_s": time.perf_counter() - started, "step_s": times, "losses": losses}
-    if variant == "torch.compile":
+    if base == "torch.compile":
         from torch._dynamo.utils import counters
 
         result["compiles"] = int(counters["stats"]["unique_graphs"])
@@ -127,7 +135,7 @@ def summarise_sequence(runs: list[dict[str, Any]]) -> dict[str, Any]:
             summary[variant].update(captures=[r["captures"] for r in rows],
                                     max_compiles_per_region=[r["max_compiles_per_region"] for r in rows])
     references = {r["launch"]: r["losses"] for r in runs if r["variant"] == "deft-aten"}
-    for variant in [v for v in ("deft", "deft-graph") if v in summary]:
+    for variant in [v for v in ("deft", "deft-graph", "deft-marked") if v in summary]:
         worst = [max(abs(a - b) / abs(b) for a, b in zip(r["losses"], references[r["launch"]]))
                  for r in runs if r["variant"] == variant and r["launch"] in references]
         summary[variant]["worst_loss_rel_vs_aten"] = max(worst, default=None)

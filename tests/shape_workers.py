@@ -37,14 +37,22 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / (b.abs().max().item() or 1.0)
 
 
-def train_lengths(compiler: str, lengths: list[int], optimizer: str = "sgd", policy: str = "deft", **config) -> dict:
-    """One process: ``lengths`` as the sequence length of each call. Losses, the final parameters, how many
-    captures were traced and what the lowering compiled per region."""
+def train_lengths(compiler: str, lengths: list[int], optimizer: str = "sgd", policy: str = "deft",
+                  mark_dynamic: bool = False, **config) -> dict:
+    """One process: ``lengths`` as the sequence length of each call (``mark_dynamic``: each batch's length marked
+    with ``torch._dynamo.mark_dynamic``). Losses, the final parameters, how many captures were traced and what the
+    lowering compiled per region."""
     model = small_gpt()
     opt = _optimizer(model, optimizer)
     step = deft_compile(model, opt, policy=policy, config=DeftConfig(compiler=compiler, **config))
     data = torch.Generator().manual_seed(7)
-    losses = [float(step(*batch(length, data))) for length in lengths]
+    losses = []
+    for length in lengths:
+        inputs = batch(length, data)
+        if mark_dynamic:
+            for tensor in inputs:
+                torch._dynamo.mark_dynamic(tensor, 1)
+        losses.append(float(step(*inputs)))
     step.flush()
     per_region = collections.Counter(entry.get("region", entry["graph"]) for entry in step.lowering.history)
     return {

@@ -55,6 +55,17 @@ def test_regions_compile_once_per_shape_family():
     assert max(run["compiles_per_region"].values()) <= 2, run["compiles_per_region"]
 
 
+def test_a_dimension_marked_dynamic_is_symbolic_from_the_first_call():
+    """``torch._dynamo.mark_dynamic(tensor, dim)`` on an input: its first capture is already symbolic in that
+    dimension, so every length shares one capture and each region compiles once for it (updates: first and steady);
+    the numbers are those of the capture made symbolic at the second length."""
+    run = train_lengths("inductor", LENGTHS, mark_dynamic=True)
+    assert run["captures"] == 1
+    assert max(run["compiles_per_region"].values()) <= 2, run["compiles_per_region"]
+    forward = [region for region in run["compiles_per_region"] if "forward" in str(region)]
+    assert forward and all(run["compiles_per_region"][region] == 1 for region in forward), run["compiles_per_region"]
+
+
 def test_whole_graph_compiles_once_per_shape_family():
     run = train_lengths("inductor-graph", LENGTHS + LENGTHS)
     assert run["captures"] == 2

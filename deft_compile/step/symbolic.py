@@ -5,7 +5,8 @@ When a later call brings the same inputs (number, dtypes, devices, ranks, consta
 state, autocast) with other sizes, the dimensions that changed become symbolic, and the step is captured once
 more with those dimensions as symbols of a shape environment. Every later size of the family reuses that capture,
 its step graphs and its compiled regions, as long as the guards the trace and Inductor recorded admit it; a size
-they do not admit gets a static capture of its own (bounded by ``DeftConfig.max_cached_graphs``).
+they do not admit gets a static capture of its own (bounded by ``DeftConfig.max_cached_graphs``). A dimension the
+caller marked with ``torch._dynamo.mark_dynamic`` is symbolic from the first call.
 
 Parameters, buffers and optimizer state keep static shapes: the gradients, buckets and plan do not depend on an
 input's length, so a new length is the same plan.
@@ -35,11 +36,14 @@ class ShapeFamilies:
         self._first: dict[Any, tuple[tuple[int, ...], ...]] = {}
         self._dynamic: dict[Any, frozenset[Dim]] = {}
 
-    def observe(self, family: Any, shapes: Sequence[tuple[int, ...]]) -> frozenset[Dim]:
-        """Record a call's user-tensor shapes; the family's symbolic dimensions so far (those that ever changed)."""
+    def observe(self, family: Any, shapes: Sequence[tuple[int, ...]],
+                marked: frozenset[Dim] = frozenset()) -> frozenset[Dim]:
+        """Record a call's user-tensor shapes; the family's symbolic dimensions so far: those that ever changed, and
+        those ``marked`` dynamic by the caller (``torch._dynamo.mark_dynamic``), symbolic from the first call."""
         shapes = tuple(tuple(s) for s in shapes)
         first = self._first.setdefault(family, shapes)
         changed = {(i, d) for i, (a, b) in enumerate(zip(first, shapes)) for d, (x, y) in enumerate(zip(a, b)) if x != y}
+        changed |= {(i, d) for i, d in marked if i < len(shapes) and d < len(shapes[i])}
         dynamic = self._dynamic.get(family, frozenset())
         if not changed <= dynamic:
             dynamic = dynamic | changed
