@@ -20,13 +20,19 @@ def test_a_marked_length_is_captured_once_with_the_same_numbers():
         assert torch.equal(value, unmarked["params"][name]), name
 
 
-def test_a_mark_on_a_dimension_the_input_lacks_is_ignored():
-    """A mark names a dimension by index; one past the input's rank changes nothing (the step stays static)."""
+def test_a_mark_is_read_as_torch_compile_reads_it():
+    """``mark_dynamic`` stores the index as given: -1 marks the last dimension, and an index outside the input's
+    rank marks nothing (the step stays static)."""
     from deft_compile import DeftConfig, deft_compile
+    from deft_compile.step.symbolic import ShapeFamilies
 
+    inputs = batch(9, torch.Generator().manual_seed(0))
+    torch._dynamo.mark_dynamic(inputs[0], -1)
+    torch._dynamo.mark_dynamic(inputs[1], 5)
+    assert ShapeFamilies.marked(inputs) == {(0, 1)}
     model = small_gpt()
     step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.05), config=DeftConfig(compiler="aten"))
-    inputs = batch(9, torch.Generator().manual_seed(0))
-    inputs[0]._dynamo_dynamic_indices = {5}
-    step(*inputs)
+    unmarked = batch(9, torch.Generator().manual_seed(0))
+    torch._dynamo.mark_dynamic(unmarked[0], 5)
+    step(*unmarked)
     assert step.runner.capture_count == 1 and not step.runner.captures[next(iter(step.runner.captures))].symbolic

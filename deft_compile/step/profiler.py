@@ -192,10 +192,10 @@ def probe_repeats(previous: tuple[int, float] | None, nbytes: int, repeats: int,
     measured time by the size ratio, which never underestimates a cost α + β·bytes; every rank has that time (the
     slowest rank's), so every rank takes the same count. On a slow link the largest size takes most of the probe's
     time; its time is then the mean of the faster two of three rounds."""
-    if budget_ms is None or previous is None or previous[0] <= 0:
+    if budget_ms is None or previous is None or previous[1] <= 0:
         return repeats
     predicted = previous[1] * nbytes / previous[0]
-    return max(min(least, repeats), min(repeats, int(budget_ms // predicted) if predicted > 0 else repeats))
+    return max(min(least, repeats), min(repeats, int(budget_ms // predicted)))
 
 
 def measure_allreduce(group: Any, sizes_bytes: Sequence[int], repeats: int = 5, warmup: int = 1,

@@ -211,9 +211,8 @@ class StepRunner:
         a size the family's symbolic capture admits shares its key."""
         family = self.family_key(user_tensors, constants, spec)
         shapes = tuple(tuple(t.shape) for t in user_tensors)
-        marked = frozenset((i, d) for i, t in enumerate(user_tensors)
-                           for d in getattr(t, "_dynamo_dynamic_indices", ()))  # torch._dynamo.mark_dynamic
-        dynamic = self.families.observe(family[:5], shapes, marked) if self.config.dynamic_shapes else frozenset()
+        dynamic = (self.families.observe(family[:5], shapes, ShapeFamilies.marked(user_tensors))
+                   if self.config.dynamic_shapes else frozenset())
         if dynamic and family not in self._static_families:
             symbolic_key = (family, ShapeFamilies.pattern(shapes, dynamic))
             captured = self.captures.get(symbolic_key)

@@ -43,13 +43,20 @@ class ShapeFamilies:
         shapes = tuple(tuple(s) for s in shapes)
         first = self._first.setdefault(family, shapes)
         changed = {(i, d) for i, (a, b) in enumerate(zip(first, shapes)) for d, (x, y) in enumerate(zip(a, b)) if x != y}
-        changed |= {(i, d) for i, d in marked if i < len(shapes) and d < len(shapes[i])}
+        changed |= marked
         dynamic = self._dynamic.get(family, frozenset())
         if not changed <= dynamic:
             dynamic = dynamic | changed
             self._dynamic[family] = dynamic
             log.info("input dimensions %s changed size; the step is captured with them symbolic", sorted(dynamic))
         return dynamic
+
+    @staticmethod
+    def marked(tensors: Sequence[torch.Tensor]) -> frozenset[Dim]:
+        """The dimensions the caller marked with ``torch._dynamo.mark_dynamic``, a negative index counted from the
+        end (the mark stores the index as given); an index outside the tensor's rank marks nothing."""
+        return frozenset((i, d % t.dim()) for i, t in enumerate(tensors)
+                         for d in getattr(t, "_dynamo_dynamic_indices", ()) if -t.dim() <= d < t.dim())
 
     @staticmethod
     def pattern(shapes: Sequence[tuple[int, ...]], dynamic: frozenset[Dim]) -> tuple:
