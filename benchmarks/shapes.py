@@ -99,7 +99,7 @@ def sequence_worker(variant: str) -> dict[str, Any]:
         for entry in history:
             per_region[entry.get("region", entry["graph"])] = per_region.get(entry.get("region", entry["graph"]), 0) + 1
         result.update(compiles=len(history), max_compiles_per_region=max(per_region.values(), default=0),
-                      captures=step.runner.capture_count, compile_s=step.overheads.get("compile_seconds"),
+                      captures=step.capture_count, compile_s=step.overheads.get("compile_seconds"),
                       fallbacks=[e["fallback_reason"] for e in history if e.get("fallback_reason")])
     return result
 
@@ -195,7 +195,7 @@ def trainer_worker(rank: int, world_size: int, variant: str, steps: int, output_
         result["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
     step = getattr(trainer, "deft_step", None)
     if step is not None:
-        result.update(compiles=len(step.lowering.history), captures=step.runner.capture_count,
+        result.update(compiles=len(step.lowering.history), captures=step.capture_count,
                       fallbacks=[e["fallback_reason"] for e in step.lowering.history if e.get("fallback_reason")])
     else:
         from torch._dynamo.utils import counters

@@ -41,5 +41,5 @@ def switching_run(rank: int, world_size: int, rounds: int, policies: tuple[str, 
             step.flush()
         builds.append(step.trace_count)
     torch.distributed.barrier()
-    return {"builds": builds, "cached": len(step.runner.graphs), "captures": step.capture_count,
+    return {"builds": builds, "cached": len(step.runner.cache.graphs), "captures": step.capture_count,
             "hashes": sorted({plan.hash() for plan in plans.values()})}

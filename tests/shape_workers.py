@@ -58,7 +58,7 @@ def train_lengths(compiler: str, lengths: list[int], optimizer: str = "sgd", pol
     return {
         "losses": losses,
         "params": {name: p.detach().clone() for name, p in model.named_parameters()},
-        "captures": step.runner.capture_count,
+        "captures": step.capture_count,
         "compiles_per_region": dict(per_region),
         "fallbacks": [entry["fallback_reason"] for entry in step.lowering.history if entry.get("fallback_reason")],
     }
@@ -130,7 +130,7 @@ def per_rank_lengths_beside_ddp(rank: int, world_size: int, compiler: str, steps
         loss = step(inputs, targets)
         losses.append((float(ddp_loss), float(loss)))
         worst.append(_worst_error(deft_model, deft_opt, ddp_model, ddp_opt))
-    result = {"worst": worst, "losses": losses, "captures": step.runner.capture_count,
+    result = {"worst": worst, "losses": losses, "captures": step.capture_count,
               "buckets": len(step.graph.items), "lengths": lengths_of(rank, steps)}
     if yardstick:
         sides = []

@@ -67,13 +67,13 @@ def test_one_capture_and_the_numbers_of_a_state_made_by_the_first_update(name, m
     torch.manual_seed(0)
     base = _WithUnused()
     initialized = _train(name, base, 4)
-    assert initialized[2].runner.capture_count == 1, "the second call reuses the first call's capture"
+    assert initialized[2].capture_count == 1, "the second call reuses the first call's capture"
     assert not initialized[1].state.get(initialized[0].unused.weight)
     from deft_compile.step import optim_support
 
     monkeypatch.setattr(optim_support, "initialize_state", lambda optimizer, trained: False)
     lazy = _train(name, base, 4)
-    assert lazy[2].runner.capture_count == 2
+    assert lazy[2].capture_count == 2
     _check_same(name, initialized, lazy)
 
 
@@ -116,4 +116,4 @@ def test_policies_that_move_updates_keep_the_lazy_state():
     step = deft_compile(model, optimizer, F.cross_entropy, policy="bytescheduler", config=DeftConfig(compiler="aten"))
     for x, y in _batches(2):
         step(x, y)
-    assert step.runner.capture_count == 2
+    assert step.capture_count == 2

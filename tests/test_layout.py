@@ -88,9 +88,11 @@ RULES = [
      ("deft_compile.step", "deft_compile.backend", "deft_compile.tools", "deft_compile.api")),
     ("the step imports no benchmark or CLI code", ("deft_compile.step",), ("deft_compile.tools", "deft_compile.api")),
     ("only the CLI imports the CLI", ("deft_compile",), ("deft_compile.tools",)),
+    ("the step's parts never import the step users call", ("deft_compile.step",), ("deft_compile.step.runtime",)),
 ]
-#: modules a rule's layer leaves out: the CLI imports itself
-EXCEPT = {"only the CLI imports the CLI": ("deft_compile.tools",)}
+#: modules a rule's layer leaves out: the CLI imports itself, the step's façade is itself
+EXCEPT = {"only the CLI imports the CLI": ("deft_compile.tools",),
+          "the step's parts never import the step users call": ("deft_compile.step.runtime",)}
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[rule[0] for rule in RULES])
@@ -194,3 +196,22 @@ def test_policy_runtime_hooks() -> None:
 
     register_runtime("custom-test-policy", Custom)
     assert isinstance(runtime_for("custom-test-policy"), Custom)
+
+
+def test_no_part_of_the_step_holds_the_step_users_call() -> None:
+    """The runner, its graph cache, the planning owner and the controllers' handle hold the step's parts, never the
+    ``CompiledStep`` itself: a controller changes the step only through the handle's ``switch_plan``."""
+    import torch
+
+    from deft_compile import DeftConfig, deft_compile
+    from deft_compile.step.handle import StepHandle
+
+    model = torch.nn.Linear(4, 2)
+    step = deft_compile(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                        config=DeftConfig(compiler="aten"))
+    step(torch.randn(3, 4), torch.randn(3, 2))
+    parts = [step.runner, step.runner.cache, step.planning, step.planning.handle]
+    assert isinstance(step.planning.handle, StepHandle)
+    held = [(type(part).__name__, name) for part in parts for name, value in vars(part).items() if value is step]
+    assert not held, f"parts hold the step users call: {held}"
+    assert step.planning.handle.step_count == step.step_count == 1 and step.planning.handle.graph is step.graph

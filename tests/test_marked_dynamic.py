@@ -35,4 +35,4 @@ def test_a_mark_is_read_as_torch_compile_reads_it():
     unmarked = batch(9, torch.Generator().manual_seed(0))
     torch._dynamo.mark_dynamic(unmarked[0], 5)
     step(*unmarked)
-    assert step.runner.capture_count == 1 and not step.runner.captures[next(iter(step.runner.captures))].symbolic
+    assert step.capture_count == 1 and not step.runner.cache.captures[next(iter(step.runner.cache.captures))].symbolic

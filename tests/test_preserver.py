@@ -677,7 +677,8 @@ def test_the_step_solves_each_plan_once_per_profile():
     from deft_compile.config import DeftConfig
 
     profile = build_profile("gpt2", inter_gbps=25)
-    planning = StepPlanning("deft", None, DeftConfig(), None, None, None, None, profile, None)
+    planning = StepPlanning("deft", None, DeftConfig(), None, None, None, None, profile, model=None, optimizer=None,
+                            loss_fn=None)
     unpriced = {"first_bucket_bytes": 2**20, "bucket_cap_bytes": 25 * 2**20}
     synchronous = {**unpriced, "max_staleness": 0}
     plan = planning.solve(unpriced)

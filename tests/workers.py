@@ -102,16 +102,16 @@ def _tiny_step(hidden: int, **config):
 def capture_counts(rank: int, world_size: int) -> list[int]:
     """How many times the step has been traced after each of 3 steps (SGD without momentum: no optimizer
     state, so one graph serves every step)."""
-    import deft_compile.step.runner as runner
+    import deft_compile.step.graph_cache as graph_cache
 
     calls = []
-    original = runner.capture_step
+    original = graph_cache.capture_step
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    runner.capture_step = counting
+    graph_cache.capture_step = counting
     try:
         step = _tiny_step(8)
         counts = []
@@ -120,7 +120,7 @@ def capture_counts(rank: int, world_size: int) -> list[int]:
             counts.append(len(calls))
         return counts
     finally:
-        runner.capture_step = original
+        graph_cache.capture_step = original
 
 
 def mismatched_models(rank: int, world_size: int) -> str:

@@ -51,7 +51,7 @@ _REPLAY_EVALUATION_BATCHES = 10
 
 
 class WatchedStep(Protocol):
-    """What the monitor reads from and asks of the step it watches (``CompiledStep`` provides it)."""
+    """What the monitor reads from and asks of the step it watches (``step.handle.StepHandle`` provides it)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer

@@ -57,7 +57,7 @@ log = logging.getLogger("deft_compile")
 
 
 class PlannedStep(Protocol):
-    """What the closed loop reads from and asks of the step it plans (``CompiledStep`` provides it)."""
+    """What the closed loop reads from and asks of the step it plans (``StepPlanning`` provides it)."""
 
     plan: Any
     profile: Any  # the loop replaces it with the refined profile

@@ -19,10 +19,11 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from deft_compile.config import DeftConfig
 from deft_compile.debug.artifacts import log_structured, record_plan, write_plan_artifacts
@@ -33,12 +34,13 @@ from deft_compile.planner.plan import WIRE_FULL, LinkCost, Plan, Profile
 from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL
 from deft_compile.planner.solvers import solve, solve_wfbp
 from deft_compile.preserver import Preserver
-from deft_compile.preserver.monitor import PreserverMonitor, WatchedStep
+from deft_compile.preserver.monitor import PreserverMonitor
 from deft_compile.preserver.pricing import compute_ms, prior_update_prices
 from deft_compile.step.capture import CapturedStep, split_user_inputs
 from deft_compile.step.closed_loop import ClosedLoop
 from deft_compile.step.distributed import check_same_across_ranks
 from deft_compile.step.groups import StepGroups
+from deft_compile.step.handle import StepHandle
 from deft_compile.step.loss_scaling import LossScaler
 from deft_compile.step.pipeline import CommGroup, annotate_capture
 from deft_compile.step.policy_runtime import PolicyRuntime
@@ -55,12 +57,13 @@ SOLVED_KEPT = 8  # plans ``StepPlanning.solve`` keeps
 class StepPlanning:
     """Owns what the step runs: its profile and plan, their history, and the controllers that change them.
 
-    ``step``: the user's step object, which the Preserver's monitor watches and whose ``flush`` runs before a
-    switch (the policy's flush hook included)."""
+    Its controllers (the Preserver's monitor, the policy's hooks) see the step through ``handle``
+    (``step/handle.py``): plan access, ``switch_plan``, the model, its optimizer and loss."""
 
     def __init__(self, policy: str, policy_runtime: PolicyRuntime, config: DeftConfig, groups: StepGroups,
                  runner: StepRunner, loss_scaler: LossScaler | None, dump_dir: Path | None,
-                 profile: Profile | None, step: WatchedStep) -> None:
+                 profile: Profile | None, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[..., torch.Tensor] | None) -> None:
         self.policy = policy
         self.policy_runtime = policy_runtime
         self.config = config
@@ -76,7 +79,10 @@ class StepPlanning:
         self.plan_switches = 0
         self.seconds = 0.0  # profiling and solving the first plan
         self.monitor: PreserverMonitor | None = None
-        self._step = step
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.handle = StepHandle(self, runner, groups, model, optimizer, loss_fn, config)
         self._profile_given = profile is not None  # the user's plan: no closed loop, no synchronous start
         self._index: ProfileIndex | None = None
         self._link_groups: list[CommGroup] = []
@@ -123,7 +129,7 @@ class StepPlanning:
         """Profile (unless given or not needed), solve, check the plan hash across ranks, translate to items.
         The capture stays cached: the call that plans compiles from it right after."""
         started = time.perf_counter()
-        captured = self.runner.captured(args, kwargs)
+        captured = self.runner.cache.captured(args, kwargs)
         annotation = annotate_capture(captured)
         index = ProfileIndex.of(annotation)
         if self.groups.comm_group is None:
@@ -140,7 +146,7 @@ class StepPlanning:
                 )
             if self.watched_by_preserver() and self.monitor is None:
                 # the Preserver's prior prices (the updates a period skips) shape the first plan already
-                self.monitor = PreserverMonitor(self._step, self._new_preserver())
+                self.monitor = PreserverMonitor(self.handle, self._new_preserver())
             options = self.monitor.preserver.options if self.monitor is not None else self.solver_options()
             self.plan = solve(self.profile, self.policy, **options)
             log.info("plan (%s, %s delays):\n%s", self.policy, self.config.delayed_update,
@@ -154,7 +160,7 @@ class StepPlanning:
         if not self.plan_history:
             self._record_plan("initial plan")
         if self.watched_by_preserver() and self.monitor is None:
-            self.monitor = PreserverMonitor(self._step, self._new_preserver())
+            self.monitor = PreserverMonitor(self.handle, self._new_preserver())
         if self._preserver_state is not None and self.monitor is not None:
             self.monitor.load_state_dict(self._preserver_state)  # resumed: continue its decisions
             self._preserver_state = None
@@ -184,7 +190,7 @@ class StepPlanning:
         ``optim_support.initialize_state``): the step is then captured once, not again on its second call. Not
         where state exists (a resumed run), nor where the eager pass fails (the capture then reports the
         model's error as it would without it)."""
-        optimizer = self._step.optimizer
+        optimizer = self.optimizer
         if (self.plan is not None or any(optimizer.state.values()) or self.config.accumulation_steps != 1
                 or self.loss_scaler is not None
                 or not self.policy_runtime.first_call_updates(self.config, self._profile_given)):
@@ -193,10 +199,10 @@ class StepPlanning:
         from deft_compile.step.capture import ModelState
         from deft_compile.step.optim_support import initialize_state
 
-        state = ModelState.of(self._step.model)
+        state = ModelState.of(self.model)
         try:
-            gradients = step_gradients(self._step.model, state.param_names, state.params,
-                                       dict(zip(state.buffer_names, state.buffers)), self._step.loss_fn, args, kwargs)
+            gradients = step_gradients(self.model, state.param_names, state.params,
+                                       dict(zip(state.buffer_names, state.buffers)), self.loss_fn, args, kwargs)
         except Exception:  # noqa: BLE001 - the capture that follows names what is wrong with the step
             return
         initialize_state(optimizer, [p for p, g in zip(state.params, gradients) if g is not None])
@@ -226,12 +232,12 @@ class StepPlanning:
         dtypes = [dtype for dtype in self.config.wire_dtypes if dtype != WIRE_FULL]
         gradients, self._first_gradients = self._first_gradients, None
         if gradients is None:
-            gradients = step_gradients(self._step.model, state.param_names, state.params,
-                                       dict(zip(state.buffer_names, state.buffers)), self._step.loss_fn, args, kwargs)
+            gradients = step_gradients(self.model, state.param_names, state.params,
+                                       dict(zip(state.buffer_names, state.buffers)), self.loss_fn, args, kwargs)
         by_name = dict(zip(state.param_names, range(len(state.params))))
         names = [param.name for param in self.profile.params if param.name in by_name]
         chosen = [gradients[by_name[name]] for name in names]
-        weights = metric_weights(self._step.optimizer, [state.params[by_name[name]] for name in names], chosen)
+        weights = metric_weights(self.optimizer, [state.params[by_name[name]] for name in names], chosen)
         row = cast_error_norms(chosen, self.groups.world_size, dtypes, weights)
         tensor = torch.tensor(row, dtype=torch.float64, device=comm_device(self.groups.process_group))
         dist.all_reduce(tensor, group=self.groups.process_group)
@@ -320,7 +326,7 @@ class StepPlanning:
 
     def switch_plan(self, options: dict[str, Any], reason: str, plan: Plan | None = None, record: bool = True) -> None:
         """See ``CompiledStep.switch_plan``."""
-        self._step.flush()
+        self.flush()
         self.plan = plan if plan is not None else self.solve(options)
         self.plan_switches += 1
         if self.config.check_consistency:
@@ -335,6 +341,12 @@ class StepPlanning:
         log_structured("plan_change", {"step": step_count, "reason": reason, "plan": self.plan.to_dict()})
         if self.dump_dir is not None and (self.groups.comm_group is None or self.groups.comm_group.rank == 0):
             write_plan_artifacts(self.dump_dir / f"plan_step{step_count}", self.profile, self.plan)
+
+    def flush(self) -> None:
+        """Apply every pending update now: the policy's flush hook, then the runner's flush graph (see
+        ``CompiledStep.flush``)."""
+        self.policy_runtime.before_flush(self.handle)
+        self.runner.flush(self.plan)
 
     def _record_plan(self, reason: str) -> None:
         self.plan_history.append(

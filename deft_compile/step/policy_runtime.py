@@ -27,7 +27,7 @@ log = logging.getLogger("deft_compile")
 
 
 class RunningStep(Protocol):
-    """What a policy's run-time hooks may read from the step (``CompiledStep`` provides it)."""
+    """What a policy's run-time hooks may read from the step (``step.handle.StepHandle`` provides it)."""
 
     model: nn.Module
     plan: Plan | None

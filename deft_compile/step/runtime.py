@@ -3,7 +3,8 @@
 ``CompiledStep`` puts four parts together and keeps the attributes users, docs and tests read on one object:
 
 - ``StepGroups`` (``step.groups``): the process groups, opened once at construction;
-- ``StepRunner`` (``step.runner``): the graph cache, calling, flushing, the carried tensors;
+- ``StepRunner`` (``step.runner``): calling, flushing, the carried tensors; its ``GraphCache`` (``step.runner.cache``)
+  holds the captures and step graphs;
 - ``StepPlanning`` (``step.planning``): profile, plan, plan history, ``switch_plan``, the closed loop and the
   Preserver's hookup;
 - ``PolicyRuntime`` (``step.policy_runtime``): what the policy does between steps.
@@ -97,7 +98,7 @@ class CompiledStep:
         self.runner = StepRunner(model, optimizer, loss_fn, config, self.groups, self.loss_scaler, self.lowering,
                                  self.dump_dir, policy_runtime.record_stats)
         self.planning = StepPlanning(policy, policy_runtime, config, self.groups, self.runner, self.loss_scaler,
-                                     self.dump_dir, profile, step=self)
+                                     self.dump_dir, profile, model=model, optimizer=optimizer, loss_fn=loss_fn)
         self._timer = StepTimer(self.lowering, cpu_timed=device.type == "cpu")
         self.groups.open(model, optimizer, policy, config, controllers=self.planning.has_controllers(),
                          picks_groups=policy_runtime.picks_groups)
@@ -108,17 +109,17 @@ class CompiledStep:
     @checks_inputs  # the model as captured; a failure on changed inputs names them (step/input_checks.py)
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         runner, planning = self.runner, self.planning
-        if runner.capture_count == 0:
+        if runner.cache.capture_count == 0:
             planning.before_first_capture(args, kwargs)  # the optimizer's state, before the step is captured
         if not runner.items and (self.comm_group is not None or self.config.accumulation_steps > 1):
             planning.plan_first(args, kwargs)  # its capture stays cached for this call's compile
         if self.comm_group is not None:
-            runner.use_step_group(self.policy_runtime.step_group(self))
+            runner.use_step_group(self.policy_runtime.step_group(planning.handle))
         compiled, user_tensors, phases = runner.prepare(args, kwargs, planning.plan)
         planning.before_step()
         self._timer.start(self.clock, device_clock=planning.closed_loop is not None)
         outputs = runner.run_step(compiled, user_tensors, planning.plan)
-        self.policy_runtime.after_step(self)
+        self.policy_runtime.after_step(planning.handle)
         runner.finish_call(phases, args, kwargs)
         planning.after_step(outputs, args, kwargs, self._timer.stop())
         return outputs
@@ -232,7 +233,7 @@ class CompiledStep:
     @property
     def graph(self) -> CompiledGraph | None:
         """The graph used by the most recent step."""
-        return next(reversed(self.runner.graphs.values()), None)
+        return self.runner.last_graph
 
     @property
     def compiler(self) -> str | None:
@@ -268,16 +269,16 @@ class CompiledStep:
     @property
     def trace_count(self) -> int:
         """Step graphs built (passes run), one per cache miss."""
-        return self.runner.trace_count
+        return self.runner.cache.trace_count
 
     @property
     def capture_count(self) -> int:
         """Of those, the ones that traced the step (make_fx) instead of reusing a capture."""
-        return self.runner.capture_count
+        return self.runner.cache.capture_count
 
     @property
     def last_trace_seconds(self) -> float:
-        return self.runner.last_trace_seconds
+        return self.runner.cache.last_trace_seconds
 
     @property
     def overheads(self) -> dict[str, float | int]:
@@ -290,12 +291,12 @@ class CompiledStep:
         monitor = self.planning.monitor
         return {
             "planning_seconds": self.planning.seconds,
-            "graph_seconds": self.runner.graph_seconds,
+            "graph_seconds": self.runner.cache.graph_seconds,
             "probe_seconds": monitor.probe_seconds if monitor is not None else 0.0,
             "attribution_seconds": monitor.attribution_seconds if monitor is not None else 0.0,
             "compile_seconds": sum(entry.get("seconds", 0.0) for entry in self.lowering.history),
-            "graphs": self.runner.trace_count,
-            "captures": self.runner.capture_count,
+            "graphs": self.runner.cache.trace_count,
+            "captures": self.runner.cache.capture_count,
             "staleness_probes": monitor.measurements["staleness"] if monitor is not None else 0,
             "wire_probes": monitor.measurements["wire"] if monitor is not None else 0,
         }
@@ -311,8 +312,7 @@ class CompiledStep:
         are averaged across ranks instead: identical again, and for SGD exactly
         the parameters the pending correction would give.
         """
-        self.policy_runtime.before_flush(self)
-        self.runner.flush(self.planning.plan)
+        self.planning.flush()
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
