@@ -73,6 +73,36 @@ def test_noise_ratios_measure_the_gradient_noise_of_the_all_reduced_step():
     assert noise_ratios({"w": 2.0}, {"w": 1.0}, 1) == {}
 
 
+def test_the_noise_measurement_sends_a_sample_that_gives_the_same_ratios():
+    """``monitor.noise_sample`` keeps about ``NOISE_SAMPLE_ELEMENTS`` elements of a model's gradients (every element of a
+    small tensor, the same elements on every rank): noise ratios from the sample equal the full gradients' within
+    sampling error, for a weight matrix whose rows differ in scale and a small tensor sent whole."""
+    import torch
+
+    from deft_compile.preserver.monitor import NOISE_SAMPLE_ELEMENTS, noise_sample
+
+    torch.manual_seed(1)
+    ranks = 2
+    shapes = {"weight": (1536, 1024), "bias": (1536,)}
+    true = {name: torch.randn(shape) * 0.01 * torch.linspace(0.2, 2.0, shape[0]).reshape(-1, *[1] * (len(shape) - 1))
+            for name, shape in shapes.items()}
+    sigma = {"weight": 0.01, "bias": 0.015}
+    grads = [[(true[n] + sigma[n] * torch.randn(shapes[n])).reshape(-1) for n in shapes] for _ in range(ranks)]
+    samples = [noise_sample(g) for g in grads]
+    assert sum(t.numel() for t in samples[0]) <= 1.1 * NOISE_SAMPLE_ELEMENTS
+    assert samples[0][1].numel() == grads[0][1].numel(), "a small tensor is sent whole"
+
+    def ratios(per_rank):
+        local = {n: sum(float(g[i].double().square().sum()) for g in per_rank) / ranks for i, n in enumerate(shapes)}
+        mean = {n: float(sum(g[i] for g in per_rank).div(ranks).double().square().sum()) for i, n in enumerate(shapes)}
+        return noise_ratios(local, mean, ranks)
+
+    full, sampled = ratios(grads), ratios(samples)
+    assert 0.1 < full["weight"] < 10 and 0.1 < full["bias"] < 10, full
+    for name in shapes:
+        assert sampled[name] == pytest.approx(full[name], rel=0.1), (name, sampled, full)
+
+
 def test_a_period_loses_less_of_a_noisy_gradients_progress():
     """An update with the mean of K gradients is worth (1 + b)/(1 + b/K) updates: a period K loses (K - 1)/(K + b)
     of the parameter's share of progress, (1 - 1/K) with an exact gradient."""

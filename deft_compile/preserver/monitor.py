@@ -46,6 +46,10 @@ from deft_compile.preserver.wire_error import cast_error_norms, metric_weights
 from deft_compile.timing import comm_device
 
 
+#: gradient elements the noise measurement all-reduces, about (``noise_sample``): 1 MiB in float32
+NOISE_SAMPLE_ELEMENTS = 2**18
+#: a tensor with fewer elements than this many strides is sent whole
+NOISE_SAMPLE_LEAST = 1024
 #: minibatches (the last kept ones) over which the paired replay's arms are compared
 _REPLAY_EVALUATION_BATCHES = 10
 
@@ -490,18 +494,32 @@ def _schedule(plan: Plan) -> list[dict]:
 
 def rank_gradient_norms(step: WatchedStep, watched: list[int], kept: dict[int, torch.Tensor]) -> list[float]:
     """Per watched captured index, this rank's squared gradient norm on its own batch, then the squared norm of the
-    ranks' mean gradient (one float32 all-reduce of the kept gradients on the control group): what
+    ranks' mean gradient (one float32 all-reduce of the kept gradients' sample on the control group): what
     ``pricing.noise_ratios`` compares. A parameter without a gradient on this rank (unused by its batch) sends
-    zeros, so every rank all-reduces the same length."""
+    zeros, so every rank all-reduces the same length.
+
+    Both norms are taken over the same elements (``noise_sample``): at most about ``NOISE_SAMPLE_ELEMENTS`` of them,
+    every ``stride``-th element of each tensor large enough. A noise ratio is a ratio of sums over a tensor's
+    elements, and a strided sample estimates both sums in one proportion, while the all-reduce sends a fixed
+    number of bytes on a slow link, not the model's gradient."""
     params = step.graph.captured.model_state.params
     grads = [kept[p].detach().reshape(-1).float() if kept.get(p) is not None else
              torch.zeros(params[p].numel(), dtype=torch.float32, device=params[p].device) for p in watched]
+    grads = noise_sample(grads)
     local = [float(g.double().square().sum()) for g in grads]
     flat = (torch.cat(grads) if grads else torch.zeros(0)).to(comm_device(step.control_group))
     dist.all_reduce(flat, group=step.control_group)
     flat /= step.world_size
     mean = [float(part.double().square().sum()) for part in flat.split([g.numel() for g in grads])]
     return local + mean
+
+
+def noise_sample(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The elements of flat gradients the noise measurement compares: every ``stride``-th element of a tensor of
+    at least ``stride × NOISE_SAMPLE_LEAST`` elements, all of a smaller one, where ``stride`` makes the sample about
+    ``NOISE_SAMPLE_ELEMENTS`` in all (1: every element of a model that small). The same elements on every rank."""
+    stride = max(1, sum(g.numel() for g in grads) // NOISE_SAMPLE_ELEMENTS)
+    return [g[::stride] if g.numel() >= stride * NOISE_SAMPLE_LEAST else g for g in grads]
 
 
 def measure_step(step: WatchedStep, watched: list[int], before: list[torch.Tensor] | None, args: tuple, kwargs: dict,

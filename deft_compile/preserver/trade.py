@@ -120,7 +120,7 @@ class Trader:
     def periods_can_run(self) -> bool:
         """Whether the plan solved without prices gives a bucket an update period. Prices only make periods dearer,
         so where it gives none no price can buy one, and a noise ratio (which prices periods, at the cost of an
-        all-reduce of the gradient) changes nothing."""
+        all-reduce of a gradient sample) changes nothing."""
         if self.step.profile is None:
             return False
         options = self.preserver.unpriced_options()
