@@ -60,7 +60,7 @@ def test_synchronous_means_ddps_numbers_whatever_the_schedule():
 def test_the_synchronous_plan_is_chosen_by_margin_or_by_duel():
     # not min_gain faster: DDP's buckets
     assert choose_synchronous(measured((BUCKETS, 100.0), (PRIORITY, 99.5)), is_synchronous, CONFIG) == "buckets"
-    # faster by min_gain or more, however far (a load burst in one window can fake 25 %): a duel of synchronous plans
+    # faster by min_gain or more, however far (a change of load between windows can fake 25 %): a duel
     for challenger_ms in (90.0, 70.0, 40.0):
         choice = choose_synchronous(measured((BUCKETS, 100.0), (PRIORITY, challenger_ms)), is_synchronous, CONFIG)
         assert choice == StartDuel(PRIORITY, BUCKETS, SYNCHRONOUS_DUEL), challenger_ms

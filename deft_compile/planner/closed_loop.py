@@ -369,7 +369,7 @@ def choose_synchronous(measured: Measured, synchronous: IsSynchronous,
     """Choose between DDP's buckets and the fastest priority plan, both measured one after the other: the chosen
     plan's hash, a ``SYNCHRONOUS_DUEL`` to run first, or None while one of the two kinds is unmeasured. DDP's
     buckets when the priority plan was not ``min_gain`` faster; otherwise the priority plan must win a duel,
-    however far ahead it measured: a load burst in one plan's window can put it 25 % behind on a shared host
+    however far ahead it measured: a change of load between the windows can fake a 25 % lead on a shared host
     (GPT-2 ``mini`` at coverage rate 1: a priority plan measured at 160 ms, over 25 % ahead of DDP's buckets, then
     ran at 195 ms a step where DDP's buckets ran at 170 ms), while a duel costs a few steps of the slower plan (see
     the module docstring)."""
