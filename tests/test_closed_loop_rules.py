@@ -17,6 +17,7 @@ from deft_compile.planner.closed_loop import (
     StartDuel,
     adjust_options,
     after_replan,
+    wires,
     choose_synchronous,
     decide,
     duel_block_steps,
@@ -97,6 +98,28 @@ def test_a_replan_after_settling_is_decided_from_what_was_measured():
     assert isinstance(decision, Settle) and decision.plan is PRIORITY
     assert decision.extra["replaced"]["plan_hash"] == "buckets"
     assert after_replan(STALE, measured((STALE, 80.0)), is_synchronous, None, CONFIG) is None  # nothing synchronous
+
+
+def test_a_synchronous_replan_is_replaced_only_by_a_measured_plan_with_its_wire():
+    """The Preserver sends a bucket back to float32 and the solver answers with DDP's buckets: the faster priority
+    plan measured before, which sends that bucket in float16, is not a stand-in (other numbers); one with the
+    re-plan's wire is."""
+    def plan(name, policy, wire_of_second):
+        fake = FakePlan(name, policy)
+        fake.items = [SimpleNamespace(delay=0, period=1, link=0, wire_dtype="float16",
+                                      slices=(SimpleNamespace(param=0),)),
+                      SimpleNamespace(delay=0, period=1, link=0, wire_dtype=wire_of_second,
+                                      slices=(SimpleNamespace(param=1),))]
+        return fake
+
+    narrow_priority, float32_buckets = plan("priority16", "usbyte", "float16"), plan("buckets32", "wfbp", "float32")
+    assert wires(narrow_priority) != wires(float32_buckets)
+    record = measured((plan("buckets16", "wfbp", "float16"), 100.0), (narrow_priority, 80.0))
+    assert after_replan(float32_buckets, record, is_synchronous, "priority16", CONFIG) is None
+    float32_priority = plan("priority32", "usbyte", "float32")
+    decision = after_replan(float32_buckets, {**record, **measured((float32_priority, 85.0))}, is_synchronous,
+                            "priority16", CONFIG)
+    assert isinstance(decision, Settle) and decision.plan is float32_priority
 
 
 def test_the_duels_verdict_is_the_median_ratio_against_min_gain():

@@ -234,8 +234,19 @@ def rounds_disagree(ratios: list[float], threshold: float) -> bool:
 
 
 def is_synchronous(plan) -> bool:
-    """No delays, no update periods, one link: DDP's numbers, whatever the schedule (wfbp, ByteScheduler, US-Byte)."""
+    """No delays, no update periods, one link: DDP's numbers for the plan's wire (``wires``), whatever the schedule
+    (wfbp, ByteScheduler, US-Byte)."""
     return all(item.delay == 0 and item.period == 1 and item.link == 0 for item in plan.items)
+
+
+def wires(plan) -> dict[int, frozenset[str]]:
+    """Each parameter's wire dtypes in ``plan`` (its items' ``wire_dtype``, float32 where an item has none): two
+    synchronous plans give the same numbers exactly when these are equal."""
+    found: dict[int, set[str]] = {}
+    for item in plan.items:
+        for piece in getattr(item, "slices", ()):
+            found.setdefault(int(piece.param), set()).add(getattr(item, "wire_dtype", "float32"))
+    return {param: frozenset(dtypes) for param, dtypes in found.items()}
 
 
 #: ``Duel.why`` of the duel between a priority plan and DDP's buckets, both synchronous (which one runs as "the
@@ -416,11 +427,17 @@ def after_replan(plan, measured: Measured, synchronous: IsSynchronous, pick: str
     sync_plan, sync_ms = fastest_synchronous(measured, synchronous, pick)
     known = measured.get(plan.hash())
     if synchronous(plan):
-        # Every synchronous plan gives DDP's numbers: run the fastest one measured (a priority plan, say, when the
-        # Preserver steps back to synchronous and the solver answers with DDP's buckets).
+        # Synchronous plans that send every parameter in the same wire dtype give the same numbers: run the
+        # fastest one measured (a priority plan, say, when the Preserver steps back to synchronous and the solver
+        # answers with DDP's buckets). One with another wire would undo the re-plan's wire (the Preserver sending a
+        # bucket back to float32), so it is not a stand-in.
+        same = {key: entry for key, entry in measured.items() if synchronous(entry[0]) and wires(entry[0]) == wires(plan)}
+        if not same:
+            return None
+        sync_plan, sync_ms = fastest_synchronous(same, synchronous, pick)
         if sync_plan.hash() != plan.hash() and (known is None or sync_ms < known[1] * (1.0 - config.min_gain)):
-            return Settle(sync_plan, sync_ms, "synchronous re-plan: the fastest measured synchronous plan runs "
-                          "instead (same numbers)",
+            return Settle(sync_plan, sync_ms, "synchronous re-plan: the fastest measured synchronous plan with its "
+                          "wire runs instead (same numbers)",
                           {"replaced": {"plan_hash": plan.hash(), "measured_ms": known[1] if known else None}})
         return None
     if known is None:
