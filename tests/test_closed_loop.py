@@ -251,7 +251,7 @@ def test_a_synchronous_deft_step_measures_and_keeps_a_faster_priority_plan(outco
         for policy in ("bytescheduler", "usbyte"):
             assert any(f"synchronous priority candidate ({policy})" in r for r in reasons), reasons
         assert report["replanned"] == "deft", "the re-plan must be DDP's buckets for the test to mean anything"
-        assert any("fastest measured synchronous plan runs instead" in r for r in reasons), reasons
+        assert any("fastest measured synchronous plan with its wire runs instead" in r for r in reasons), reasons
         assert report["final_policy"] in ("bytescheduler", "usbyte"), reasons
         for entry in report["steps"]:
             check_entry(entry, True, f"rank {rank} step {entry['step']} ({entry['policy']}, {entry['state']})")
