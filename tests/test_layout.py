@@ -215,3 +215,6 @@ def test_no_part_of_the_step_holds_the_step_users_call() -> None:
     held = [(type(part).__name__, name) for part in parts for name, value in vars(part).items() if value is step]
     assert not held, f"parts hold the step users call: {held}"
     assert step.planning.handle.step_count == step.step_count == 1 and step.planning.handle.graph is step.graph
+    # what the Preserver's trader reads through the handle
+    assert step.planning.handle.closed_loop is step.closed_loop
+    assert step.planning.handle.last_trace_seconds == step.last_trace_seconds > 0

@@ -71,6 +71,8 @@ class WatchedStep(Protocol):
     items: list[ScheduledItem]
     process_group: dist.ProcessGroup | None
     control_group: dist.ProcessGroup | None  # for the monitor's own all-reduces: beside the gradients in flight
+    closed_loop: Any  # the closed loop's measured plan times, or None where it does not run
+    last_trace_seconds: float  # the latest step graph's build: part of a switch's cost
 
     def solve(self, options: dict[str, Any]) -> Plan: ...
 

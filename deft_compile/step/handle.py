@@ -47,6 +47,12 @@ class StepHandle:
     def profile(self) -> Profile | None:
         return self._planning.profile
 
+    @property
+    def closed_loop(self) -> Any:
+        """The closed loop's measurements (``step.closed_loop.ClosedLoop``), where it runs: the trader prices a switch
+        and judges a running plan by them."""
+        return self._planning.closed_loop
+
     def solve(self, options: dict[str, Any]) -> Plan:
         return self._planning.solve(options)
 
@@ -77,6 +83,10 @@ class StepHandle:
     @property
     def last_call_moved_weights(self) -> bool:
         return self._runner.last_call_moved_weights
+
+    @property
+    def last_trace_seconds(self) -> float:
+        return self._runner.cache.last_trace_seconds
 
     def updates_at(self, call_index: int) -> bool:
         return self._runner.updates_at(call_index)
