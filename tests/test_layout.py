@@ -218,3 +218,9 @@ def test_no_part_of_the_step_holds_the_step_users_call() -> None:
     # what the Preserver's trader reads through the handle
     assert step.planning.handle.closed_loop is step.closed_loop
     assert step.planning.handle.last_trace_seconds == step.last_trace_seconds > 0
+    # everything the Preserver's protocol names, the handle answers (the trader reads it without defaults)
+    from deft_compile.preserver.monitor import WatchedStep
+
+    named = set(WatchedStep.__annotations__) | {n for n in vars(WatchedStep) if not n.startswith("_")}
+    missing = sorted(n for n in named if not hasattr(step.planning.handle, n))
+    assert not missing, f"WatchedStep names what the handle lacks: {missing}"

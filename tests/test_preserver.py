@@ -624,7 +624,7 @@ def test_a_staleness_measurement_is_taken_only_where_its_price_can_change_the_de
                               start_synchronous=True)
         preserver.traded = adopted
         profile = SimpleNamespace(forward_ms=30.0, backward_ms=60.0, update_ms=10.0)  # compute 100 ms
-        return Trader(SimpleNamespace(profile=profile, solve=solve), preserver)
+        return Trader(SimpleNamespace(profile=profile, solve=solve, closed_loop=None, last_trace_seconds=0.0), preserver)
 
     margin = PreserverConfig().trade_margin * 100.0  # ms: the margin of a 100 ms compute step
     assert not trader(100.0 - 0.5 * margin).staleness_can_pay()  # gains under the margin: nothing to price

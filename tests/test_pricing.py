@@ -74,23 +74,29 @@ def test_noise_ratios_measure_the_gradient_noise_of_the_all_reduced_step():
 
 
 def test_the_noise_measurement_sends_a_sample_that_gives_the_same_ratios():
-    """``monitor.noise_sample`` keeps about ``NOISE_SAMPLE_ELEMENTS`` elements of a model's gradients (every element of a
-    small tensor, the same elements on every rank): noise ratios from the sample equal the full gradients' within
-    sampling error, for a weight matrix whose rows differ in scale and a small tensor sent whole."""
+    """``monitor.noise_sample`` keeps about ``NOISE_SAMPLE_ELEMENTS`` elements of a model's gradients, at least
+    ``NOISE_SAMPLE_LEAST`` of each tensor (all of a smaller one), the same elements on every rank, and every column of
+    a weight's rows: noise ratios from the sample equal the full gradients' within sampling error, for a weight
+    matrix whose rows differ in scale, a bias and a tensor sent whole."""
     import torch
 
-    from deft_compile.preserver.monitor import NOISE_SAMPLE_ELEMENTS, noise_sample
+    from deft_compile.preserver.monitor import NOISE_SAMPLE_ELEMENTS, NOISE_SAMPLE_LEAST, noise_sample
 
     torch.manual_seed(1)
     ranks = 2
-    shapes = {"weight": (1536, 1024), "bias": (1536,)}
+    shapes = {"weight": (1536, 1024), "bias": (1536,), "scale": (100,)}
     true = {name: torch.randn(shape) * 0.01 * torch.linspace(0.2, 2.0, shape[0]).reshape(-1, *[1] * (len(shape) - 1))
             for name, shape in shapes.items()}
-    sigma = {"weight": 0.01, "bias": 0.015}
+    sigma = {"weight": 0.01, "bias": 0.015, "scale": 0.01}
     grads = [[(true[n] + sigma[n] * torch.randn(shapes[n])).reshape(-1) for n in shapes] for _ in range(ranks)]
     samples = [noise_sample(g) for g in grads]
-    assert sum(t.numel() for t in samples[0]) <= 1.1 * NOISE_SAMPLE_ELEMENTS
-    assert samples[0][1].numel() == grads[0][1].numel(), "a small tensor is sent whole"
+    assert sum(t.numel() for t in samples[0]) <= NOISE_SAMPLE_ELEMENTS + NOISE_SAMPLE_LEAST * len(shapes)
+    assert samples[0][0].numel() < grads[0][0].numel() // 2, "a large tensor is sampled"
+    assert samples[0][1].numel() >= NOISE_SAMPLE_LEAST, "a small tensor keeps enough elements for its own ratio"
+    assert samples[0][2].numel() == grads[0][2].numel(), "a tensor under the least count is sent whole"
+    stride = samples[0][0].stride(0)  # a strided view of the flat gradient
+    columns = torch.arange(0, grads[0][0].numel(), stride) % shapes["weight"][1]
+    assert columns.unique().numel() == shapes["weight"][1], "the stride walks every column of the weight's rows"
 
     def ratios(per_rank):
         local = {n: sum(float(g[i].double().square().sum()) for g in per_rank) / ranks for i, n in enumerate(shapes)}

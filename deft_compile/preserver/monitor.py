@@ -46,10 +46,10 @@ from deft_compile.preserver.wire_error import cast_error_norms, metric_weights
 from deft_compile.timing import comm_device
 
 
-#: gradient elements the noise measurement all-reduces, about (``noise_sample``): 1 MiB in float32
+#: gradient elements the noise measurement all-reduces from a large model (``noise_sample``): 1 MiB in float32
 NOISE_SAMPLE_ELEMENTS = 2**18
-#: a tensor with fewer elements than this many strides is sent whole
-NOISE_SAMPLE_LEAST = 1024
+#: elements every tensor keeps in the sample at least (all of a smaller one): each tensor's noise ratio is its own
+NOISE_SAMPLE_LEAST = 256
 #: minibatches (the last kept ones) over which the paired replay's arms are compared
 _REPLAY_EVALUATION_BATCHES = 10
 
@@ -500,8 +500,8 @@ def rank_gradient_norms(step: WatchedStep, watched: list[int], kept: dict[int, t
     ``pricing.noise_ratios`` compares. A parameter without a gradient on this rank (unused by its batch) sends
     zeros, so every rank all-reduces the same length.
 
-    Both norms are taken over the same elements (``noise_sample``): at most about ``NOISE_SAMPLE_ELEMENTS`` of them,
-    every ``stride``-th element of each tensor large enough. A noise ratio is a ratio of sums over a tensor's
+    Both norms are taken over the same elements (``noise_sample``): about ``NOISE_SAMPLE_ELEMENTS`` of a large
+    model's, every ``stride``-th element of each tensor. A noise ratio is a ratio of sums over a tensor's
     elements, and a strided sample estimates both sums in one proportion, while the all-reduce sends a fixed
     number of bytes on a slow link, not the model's gradient."""
     params = step.graph.captured.model_state.params
@@ -517,11 +517,25 @@ def rank_gradient_norms(step: WatchedStep, watched: list[int], kept: dict[int, t
 
 
 def noise_sample(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The elements of flat gradients the noise measurement compares: every ``stride``-th element of a tensor of
-    at least ``stride × NOISE_SAMPLE_LEAST`` elements, all of a smaller one, where ``stride`` makes the sample about
-    ``NOISE_SAMPLE_ELEMENTS`` in all (1: every element of a model that small). The same elements on every rank."""
-    stride = max(1, sum(g.numel() for g in grads) // NOISE_SAMPLE_ELEMENTS)
-    return [g[::stride] if g.numel() >= stride * NOISE_SAMPLE_LEAST else g for g in grads]
+    """The elements of flat gradients the noise measurement compares, the same on every rank: every ``stride``-th
+    element of each tensor. ``stride`` is the smallest prime at least total / ``NOISE_SAMPLE_ELEMENTS``, lowered for
+    a tensor to keep at least ``NOISE_SAMPLE_LEAST`` of its elements (1: every element). So the sample holds at most
+    ``NOISE_SAMPLE_ELEMENTS`` + ``NOISE_SAMPLE_LEAST`` × tensors elements, and a prime stride walks every column of
+    a row whose width it does not divide. A gradient that is non-zero on few rows (an embedding's) is sampled on
+    about 1 / stride of their elements, as any other."""
+    total = sum(g.numel() for g in grads)
+    stride = _prime(-(-total // NOISE_SAMPLE_ELEMENTS), upward=True) if total > NOISE_SAMPLE_ELEMENTS else 1
+    return [g[::min(stride, _prime(g.numel() // NOISE_SAMPLE_LEAST, upward=False))] for g in grads]
+
+
+def _prime(n: int, upward: bool) -> int:
+    """The nearest prime to ``n`` at or above it (``upward``) or at or below it; 1 for ``n`` < 2 going down."""
+    candidate = max(n, 2) if upward else n
+    while candidate >= 2:
+        if all(candidate % d for d in range(2, math.isqrt(candidate) + 1)):
+            return candidate
+        candidate += 1 if upward else -1
+    return 1
 
 
 def measure_step(step: WatchedStep, watched: list[int], before: list[torch.Tensor] | None, args: tuple, kwargs: dict,

@@ -73,7 +73,7 @@ class Trader:
 
     # -- the closed loop's measurements ------------------------------------------------------------
     def _times(self):
-        closed_loop = getattr(self.step, "closed_loop", None)
+        closed_loop = self.step.closed_loop
         return closed_loop.measured_times() if closed_loop is not None else None
 
     # -- one measurement ----------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class Trader:
         measured_sync = times.synchronous_ms if times is not None else None
         # in the units of the clock: the prediction scaled as the synchronous plan's measurement scales its own
         scale = measured_sync / sync_ms if measured_sync and sync_ms > 0 else 1.0
-        build_ms = NEW_PLAN_GRAPHS * 1e3 * self.agree([float(getattr(step, "last_trace_seconds", 0.0))])[0]
+        build_ms = NEW_PLAN_GRAPHS * 1e3 * self.agree([float(step.last_trace_seconds)])[0]
         cost_ms = switch_cost_ms(measured_sync or sync_ms, build_ms, times.duel_steps if times is not None else 0,
                                  gain_ms * scale)
         metrics = self._metrics(prices, sync_ms, plan_ms, price_ms, gain_ms, switch_cost_ms=cost_ms,
