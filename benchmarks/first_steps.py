@@ -10,6 +10,8 @@ call from the first. A launch is *cold* when Inductor's caches start empty (a fr
 
 * ``stall_share``: the wall time of steps over 3x the median step, over the whole wall time (compiles, planning,
   graph building, the Preserver's probes and closed-loop trials all land in such steps);
+* ``stalls_after_first_s``: what the calls after the first that took over 1.5 median steps took beyond the median,
+  together (``stalls_after_first``: their index and ms);
 * ``replan_steps``: per plan switch after the first compile (the closed loop's trials and duels, the Preserver's
   decisions), the time the switching call and the next one took beyond two median steps, in median steps;
 * ``compile_s``, ``planning_s``, ``graph_s``, ``probe_s``: the runtime's own accounts (``CompiledStep.overheads``);
@@ -40,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STALL_FACTOR = 3.0
+#: a call after the first that takes over this many median steps is a stall of ``stalls_after_first_s``
+LATER_STALL_FACTOR = 1.5
 
 
 def build(model: str, rank: int, steps: int) -> tuple[Any, Any, Any, list[tuple]]:
@@ -133,8 +137,11 @@ def summarise(value: dict[str, Any]) -> dict[str, Any]:
             cost = sum(times[i: i + 2]) - 2 * median
             replans.append(round(cost / median, 2))
     over = value["overheads"]
+    later = [(i, t) for i, t in enumerate(times) if i >= 1 and t > LATER_STALL_FACTOR * median]
     return {"wall_s": total, "median_step_ms": median * 1e3, "stall_share": sum(stalls) / total,
             "stall_steps": len(stalls), "replan_steps": replans, "worst_replan_steps": max(replans, default=0.0),
+            "stalls_after_first_s": sum(t - median for _, t in later),
+            "stalls_after_first": [[i, round(t * 1e3)] for i, t in later],
             "compile_s": over.get("compile_seconds"), "planning_s": over.get("planning_seconds"),
             "graph_s": over.get("graph_seconds"), "probe_s": over.get("probe_seconds"),
             "compiles": value["compiles"], "graphs": over.get("graphs"), "delayed_items": value["delayed_items"],
@@ -218,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                         r = result["rank0"]
                         print(f"{model} {variant} {mode} #{index}: wall {r['wall_s']:.1f} s, median step "
                               f"{r['median_step_ms']:.1f} ms, stalls {r['stall_share']:.0%} ({r['stall_steps']} steps), "
-                              f"compile {r['compile_s'] or 0:.1f} s, {r['compiles']} compiles, peak RSS "
+                              f"compile {r['compile_s'] or 0:.1f} s, {r['compiles']} compiles, stalls after the first call "
+                              f"{r['stalls_after_first_s']:.1f} s, peak RSS "
                               f"{r['peak_rss_mib']:.0f} MiB, re-plans (steps) {r['replan_steps']}", flush=True)
                         (out / "first_steps.json").write_text(json.dumps(report | {"partial": {model: runs}}, indent=1))
         report["models"][model] = {"runs": runs}
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["models"][model][name] = {
                     key: statistics.median(row[key] or 0.0 for row in rows)
                     for key in ("wall_s", "median_step_ms", "stall_share", "worst_replan_steps", "compile_s",
-                                "peak_rss_mib")}
+                                "peak_rss_mib", "stalls_after_first_s")}
                 report["models"][model][name]["spread_stall_share"] = [min(r["stall_share"] for r in rows),
                                                                        max(r["stall_share"] for r in rows)]
                 report["models"][model][name]["spread_wall_s"] = [min(r["wall_s"] for r in rows),
