@@ -7,7 +7,7 @@ same Python) with 2 gloo workers, once per variant:
 
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (eager);
 * ``ddp-fp16``, ``ddp-powersgd`` (peers a user on a slow link would pick): DDP with its fp16 compression hook
-  (gloo refuses the bf16 one) and with PowerSGD (``powersgd_rank``, warm start, error feedback, vanilla
+  (DDP refuses the bf16 one by its name on a CPU build of torch, although gloo all-reduces bfloat16) and with PowerSGD (``powersgd_rank``, warm start, error feedback, vanilla
   all-reduce for the learning rate's warm-up steps; one bucket, ``_Variant``);
 * ``deft``: ``deft_compile(policy="deft")`` with its defaults; the solver's defaults allow update periods, so
   this *is* "deft with periods" (and the Preserver, closed-loop planning and the default delayed semantics,
