@@ -175,3 +175,38 @@ def test_the_closed_loop_s_priority_rivals_narrow_what_the_plan_narrows():
             wires = {wire_of[s.param] for s in item.slices}
             assert item.wire_dtype == (wires.pop() if len(wires) == 1 else WIRE_FULL), rival.table(profile)
     assert [p.hash() for p in priority_plans(profile)] == [p.hash() for p in priority_plans(profile, {})]
+
+
+def test_a_kept_parameter_leaves_its_bucket_where_that_is_faster():
+    """``keep_float32`` on a bias that shares a large bucket with a weight: the solver cuts the bucket in two
+    (``wire.split_kept``) where the extra message costs less than the weight's narrowed bytes save, so the weight
+    still narrows and only the bias crosses in float32; where the message's latency costs more, the bucket stays
+    whole and float32."""
+    from deft_compile.planner.wire import split_kept
+
+    def profile(alpha: float) -> Profile:
+        params = [ParamProfile("weight", 250_000, "float32", 1.0, 1.0, 0.0, layer=1),
+                  ParamProfile("bias", 100, "float32", 0.01, 0.01, 0.0, layer=1),
+                  ParamProfile("other", 250_000, "float32", 1.0, 1.0, 0.0, layer=0)]
+        return Profile(params, [LinkCost("l", alpha, 2e-5)])  # 1 MB: 20 ms in float32, 10 ms in 16 bits
+
+    options = {"first_bucket_bytes": 1_100_000, "bucket_cap_bytes": 1_100_000}
+    prices = {"float16": {"weight": 1e-4, "bias": 1e-4, "other": 1e-4}}
+    cheap = profile(0.05)
+    buckets = cheap.buckets(**options)
+    assert buckets == [[0, 1, 2]], "the test needs the bias in one bucket with the weights"
+    assert split_kept(cheap, buckets, ["bias"]) == [[0, 2], [1]]
+    assert split_kept(cheap, buckets, ["nothing*"]) == buckets
+
+    whole = solve(cheap, "deft", max_staleness=0, wire_prices=prices, **options)
+    kept = solve(cheap, "deft", max_staleness=0, wire_prices=prices, keep_float32=["bias"], **options)
+    wire_of = {s.param: item.wire_dtype for item in kept.items for s in item.slices}
+    assert wire_of == {0: "float16", 1: WIRE_FULL, 2: "float16"}, kept.table(cheap)
+    assert kept.metadata["kept_float32_split"] == 1
+    assert whole.predicted_iteration_ms <= kept.predicted_iteration_ms < whole.predicted_iteration_ms + 1.0
+
+    dear = profile(50.0)  # a message's latency above the 10 ms the weight's narrowing saves
+    kept = solve(dear, "deft", max_staleness=0, wire_prices=prices, keep_float32=["bias"], **options)
+    wire_of = {s.param: item.wire_dtype for item in kept.items for s in item.slices}
+    assert set(wire_of.values()) == {WIRE_FULL}, kept.table(dear)
+    assert "kept_float32_split" not in kept.metadata

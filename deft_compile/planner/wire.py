@@ -9,8 +9,12 @@ step, :mod:`deft_compile.preserver.wire_pricing`); this module turns prices into
   ``1 - price / compute``, so a price P costs about ``step / compute x P`` ms per step.
 - The set of narrowed buckets is then judged as a whole by the simulator (``solvers.deft``): the synchronous
   plan with those buckets narrowed must be faster, priced, than the float32 one, or nothing narrows.
-- ``keep_float32`` names parameters (``fnmatch`` patterns) whose buckets never narrow: the Preserver's for
-  buckets it measured harmful after they ran narrowed (a bucket sent back to float32 stays there), or a user's.
+- ``keep_float32`` names parameters (``fnmatch`` patterns) that never cross narrowed: the Preserver's for
+  buckets it measured harmful after they ran narrowed (sent back to float32, they stay there), or a user's. A
+  bucket holding such a parameter stays float32 whole, or, where that is faster priced, splits in two
+  (``split_kept``): the kept parameters in a float32 bucket of their own, the others free to narrow. The
+  harm may have been measured on another plan's partition (a priority plan's bucket of the bias alone), and
+  keeping its parameter's whole DDP bucket in float32 would cost that bucket's narrowed bytes on every step.
 
 Pure Python, no torch.
 """
@@ -49,6 +53,26 @@ def bucket_wire_price(profile: Profile, bucket: Sequence[int], prices: dict[str,
     return sum(prices.get(profile.params[p].name, 0.0) for p in bucket)
 
 
+def kept(profile: Profile, bucket: Sequence[int], keep_float32: Sequence[str]) -> list[int]:
+    """The parameters of ``bucket`` that ``keep_float32`` names (``fnmatch`` patterns)."""
+    return [p for p in bucket if any(fnmatch.fnmatchcase(profile.params[p].name, pattern) for pattern in keep_float32)]
+
+
+def split_kept(profile: Profile, buckets: Sequence[Sequence[int]], keep_float32: Sequence[str]) -> list[list[int]]:
+    """``buckets`` with each one that holds parameters ``keep_float32`` names beside others that may narrow cut in
+    two, the kept parameters and the others, each keeping its members' order; the two in the order of their first
+    members in the bucket. Other buckets as they are."""
+    out: list[list[int]] = []
+    for bucket in buckets:
+        held = kept(profile, bucket, keep_float32)
+        rest = [p for p in bucket if p not in held]
+        if held and any(may_narrow(profile.params[p].dtype) for p in rest):
+            out += [held, rest] if bucket[0] in held else [rest, held]
+        else:
+            out.append(list(bucket))
+    return out
+
+
 def choose_wire(profile: Profile, buckets: Sequence[Sequence[int]], wire_prices: dict[str, dict[str, float]],
                 step_ms: float, compute_ms: float, keep_float32: Sequence[str] = (),
                 links: Sequence[LinkCost] | None = None) -> list[str]:
@@ -59,9 +83,8 @@ def choose_wire(profile: Profile, buckets: Sequence[Sequence[int]], wire_prices:
     links = list(profile.links if links is None else links)
     choice = []
     for bucket in buckets:
-        names = [profile.params[p].name for p in bucket]
-        if (not bucket or not all(may_narrow(profile.params[p].dtype) for p in bucket)
-                or any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in keep_float32)):
+        if not bucket or not all(may_narrow(profile.params[p].dtype) for p in bucket) or kept(profile, bucket,
+                                                                                               keep_float32):
             choice.append(WIRE_FULL)
             continue
         best, best_price = WIRE_FULL, 0.0

@@ -81,7 +81,7 @@ from deft_compile.planner.simulator import BucketScheduleEvaluator, simulate
 from deft_compile.planner.solvers.common import finish, split_slices, wire_option
 from deft_compile.planner.solvers.knapsack import DEFAULT_UNITS, discretise, knapsack_01
 from deft_compile.planner.solvers.wfbp import wfbp_items
-from deft_compile.planner.wire import bucket_wire_price, choose_wire
+from deft_compile.planner.wire import bucket_wire_price, choose_wire, split_kept
 
 # bucket kinds; chosen equal to the simulator's window codes (forward-next,
 # backward-next, backward) so a kind array is directly a window array
@@ -284,8 +284,9 @@ def solve_deft(
         wire_prices: 16-bit dtype -> parameter name -> ms per step its rounding costs
             (the Preserver's, :mod:`deft_compile.preserver.wire_pricing`): the solver
             chooses each bucket's wire dtype (``planner.wire``). Not with ``wire_dtype``.
-        keep_float32: parameter names (``fnmatch`` patterns) whose buckets
-            never narrow under ``wire_prices``.
+        keep_float32: parameter names (``fnmatch`` patterns) that never narrow under
+            ``wire_prices``: their bucket stays float32, or is cut in two where that is
+            faster priced (``planner.wire.split_kept``).
     """
     options = _options(first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes,
                        max_staleness=max_staleness, allow_period=allow_period, max_period=max_period,
@@ -298,6 +299,8 @@ def solve_deft(
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
     link_ids = list(range(len(profile.links))) if links is None else sorted(set(links))
     synchronous, wire_metadata = _synchronous_items(profile, buckets, wire_dtype, options, link_ids)
+    buckets, synchronous, wire_metadata = _split_kept_if_faster(profile, buckets, synchronous, wire_metadata,
+                                                                wire_dtype, options, link_ids)
     if max_staleness == 0:
         return finish(profile, "deft", synchronous, options,
                       {"fallback": "max_staleness=0: synchronous DDP buckets", **wire_metadata})
@@ -409,6 +412,31 @@ def _synchronous_items(profile: Profile, buckets: list[list[int]], wire_dtype: s
         return full, {"narrowed_buckets": 0, "wire_refused": f"narrowed {narrowed_ms:.4g} ms with a price of "
                       f"{price:.3g} ms is not faster than float32's {full_ms:.4g} ms"}
     return narrowed, {"narrowed_buckets": sum(dtype != WIRE_FULL for dtype in chosen), "wire_price_ms": price}
+
+
+def _split_kept_if_faster(profile: Profile, buckets: list[list[int]], synchronous: list[CommItem],
+                          metadata: dict[str, Any], wire_dtype: str, options: dict[str, Any],
+                          link_ids: list[int]) -> tuple[list[list[int]], list[CommItem], dict[str, Any]]:
+    """With ``wire_prices`` and ``keep_float32``: the buckets cut where kept parameters sit beside others that may
+    narrow (``wire.split_kept``), with their synchronous items, where that plan is faster, priced, than the whole
+    buckets' (an extra message against the narrowed bytes of the kept parameters' neighbours); else as given."""
+    keep = options.get("keep_float32", ())
+    if not options.get("wire_prices") or not keep:
+        return buckets, synchronous, metadata
+    split = split_kept(profile, buckets, keep)
+    if len(split) == len(buckets):
+        return buckets, synchronous, metadata
+    items, split_metadata = _synchronous_items(profile, split, wire_dtype, options, link_ids)
+    if _priced_ms(profile, items, split_metadata) < _priced_ms(profile, synchronous, metadata):
+        return split, items, {**split_metadata, "kept_float32_split": len(split) - len(buckets)}
+    return buckets, synchronous, metadata
+
+
+def _priced_ms(profile: Profile, items: list[CommItem], metadata: dict[str, Any]) -> float:
+    """A synchronous plan's simulated step, priced by its wire (``metadata["wire_price_ms"]``, 0 where none)."""
+    ms = simulate(profile, Plan("deft", items), record=False, check=False).iteration_ms
+    return priced_step_ms(ms, metadata.get("wire_price_ms", 0.0), profile.forward_ms + profile.backward_ms
+                          + profile.update_ms)
 
 
 def _layout(synchronous: list[CommItem], share_items: list[tuple[int, int, tuple]], same_as_wfbp: bool) -> Plan:
