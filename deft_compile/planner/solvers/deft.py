@@ -299,8 +299,7 @@ def solve_deft(
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
     link_ids = list(range(len(profile.links))) if links is None else sorted(set(links))
     synchronous, wire_metadata = _synchronous_items(profile, buckets, wire_dtype, options, link_ids)
-    buckets, synchronous, wire_metadata = _split_kept_if_faster(profile, buckets, synchronous, wire_metadata,
-                                                                wire_dtype, options, link_ids)
+    buckets, synchronous, wire_metadata = _split_kept_if_faster(profile, buckets, synchronous, wire_metadata, wire_dtype, options, link_ids)
     if max_staleness == 0:
         return finish(profile, "deft", synchronous, options,
                       {"fallback": "max_staleness=0: synchronous DDP buckets", **wire_metadata})
