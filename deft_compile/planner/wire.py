@@ -53,9 +53,9 @@ def bucket_wire_price(profile: Profile, bucket: Sequence[int], prices: dict[str,
     return sum(prices.get(profile.params[p].name, 0.0) for p in bucket)
 
 
-def kept(profile: Profile, bucket: Sequence[int], keep_float32: Sequence[str]) -> list[int]:
-    """The parameters of ``bucket`` that ``keep_float32`` names (``fnmatch`` patterns)."""
-    return [p for p in bucket if any(fnmatch.fnmatchcase(profile.params[p].name, pattern) for pattern in keep_float32)]
+def named(profile: Profile, bucket: Sequence[int], patterns: Sequence[str]) -> list[int]:
+    """The parameters of ``bucket`` whose names ``patterns`` match (``fnmatch``)."""
+    return [p for p in bucket if any(fnmatch.fnmatchcase(profile.params[p].name, pattern) for pattern in patterns)]
 
 
 def split_kept(profile: Profile, buckets: Sequence[Sequence[int]], keep_float32: Sequence[str]) -> list[list[int]]:
@@ -64,7 +64,7 @@ def split_kept(profile: Profile, buckets: Sequence[Sequence[int]], keep_float32:
     members in the bucket. Other buckets as they are."""
     out: list[list[int]] = []
     for bucket in buckets:
-        held = kept(profile, bucket, keep_float32)
+        held = named(profile, bucket, keep_float32)
         rest = [p for p in bucket if p not in held]
         if held and any(may_narrow(profile.params[p].dtype) for p in rest):
             out += [held, rest] if bucket[0] in held else [rest, held]
@@ -83,8 +83,8 @@ def choose_wire(profile: Profile, buckets: Sequence[Sequence[int]], wire_prices:
     links = list(profile.links if links is None else links)
     choice = []
     for bucket in buckets:
-        if not bucket or not all(may_narrow(profile.params[p].dtype) for p in bucket) or kept(profile, bucket,
-                                                                                               keep_float32):
+        if not bucket or not all(may_narrow(profile.params[p].dtype) for p in bucket) or named(profile, bucket,
+                                                                                                keep_float32):
             choice.append(WIRE_FULL)
             continue
         best, best_price = WIRE_FULL, 0.0

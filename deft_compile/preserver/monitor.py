@@ -523,19 +523,16 @@ def noise_sample(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     ``NOISE_SAMPLE_ELEMENTS`` + ``NOISE_SAMPLE_LEAST`` × tensors elements, and a prime stride walks every column of
     a row whose width it does not divide. A gradient that is non-zero on few rows (an embedding's) is sampled on
     about 1 / stride of their elements, as any other."""
+    from sympy import nextprime, prevprime  # loaded by torch's shape analysis already
+
     total = sum(g.numel() for g in grads)
-    stride = _prime(-(-total // NOISE_SAMPLE_ELEMENTS), upward=True) if total > NOISE_SAMPLE_ELEMENTS else 1
-    return [g[::min(stride, _prime(g.numel() // NOISE_SAMPLE_LEAST, upward=False))] for g in grads]
+    stride = int(nextprime(-(-total // NOISE_SAMPLE_ELEMENTS) - 1)) if total > NOISE_SAMPLE_ELEMENTS else 1
 
+    def least_kept(numel: int) -> int:  # the largest prime stride that keeps NOISE_SAMPLE_LEAST elements; 1 if none
+        most = numel // NOISE_SAMPLE_LEAST
+        return int(prevprime(most + 1)) if most >= 2 else 1
 
-def _prime(n: int, upward: bool) -> int:
-    """The nearest prime to ``n`` at or above it (``upward``) or at or below it; 1 for ``n`` < 2 going down."""
-    candidate = max(n, 2) if upward else n
-    while candidate >= 2:
-        if all(candidate % d for d in range(2, math.isqrt(candidate) + 1)):
-            return candidate
-        candidate += 1 if upward else -1
-    return 1
+    return [g[::min(stride, least_kept(g.numel()))] for g in grads]
 
 
 def measure_step(step: WatchedStep, watched: list[int], before: list[torch.Tensor] | None, args: tuple, kwargs: dict,

@@ -54,7 +54,6 @@ capacity); ``units`` defaults to 1024.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import math
 from typing import Any
 from dataclasses import dataclass
@@ -81,7 +80,7 @@ from deft_compile.planner.simulator import BucketScheduleEvaluator, simulate
 from deft_compile.planner.solvers.common import finish, split_slices, wire_option
 from deft_compile.planner.solvers.knapsack import DEFAULT_UNITS, discretise, knapsack_01
 from deft_compile.planner.solvers.wfbp import wfbp_items
-from deft_compile.planner.wire import bucket_wire_price, choose_wire, split_kept
+from deft_compile.planner.wire import bucket_wire_price, choose_wire, named, split_kept
 
 # bucket kinds; chosen equal to the simulator's window codes (forward-next,
 # backward-next, backward) so a kind array is directly a window array
@@ -298,16 +297,14 @@ def solve_deft(
     _check_options(max_staleness, wire_dtype, wire_prices)
     buckets = profile.buckets(first_bucket_bytes, bucket_cap_bytes)
     link_ids = list(range(len(profile.links))) if links is None else sorted(set(links))
-    synchronous, wire_metadata = _synchronous_items(profile, buckets, wire_dtype, options, link_ids)
-    buckets, synchronous, wire_metadata = _split_kept_if_faster(profile, buckets, synchronous, wire_metadata, wire_dtype, options, link_ids)
+    buckets, synchronous, wire_metadata = _synchronous_items(profile, buckets, wire_dtype, options, link_ids)
     if max_staleness == 0:
         return finish(profile, "deft", synchronous, options,
                       {"fallback": "max_staleness=0: synchronous DDP buckets", **wire_metadata})
 
     n = len(buckets)
     share_items, share_loads, costs, bucket_bytes = _bucket_shares(profile, buckets, synchronous, link_ids)
-    pinned = np.array([any(fnmatch.fnmatchcase(profile.params[p].name, pattern) for p in bucket
-                           for pattern in options["keep_synchronous"]) for bucket in buckets], dtype=bool)
+    pinned = np.array([bool(named(profile, bucket, options["keep_synchronous"])) for bucket in buckets], dtype=bool)
     price = _bucket_prices(profile, buckets, options.get("staleness_prices", {}))
     update_cost = _update_costs(profile, buckets, options.get("update_prices", {}), options.get("update_noise", {}),
                                 max(2, max_period))
@@ -389,12 +386,27 @@ def _chosen_metadata(best: _Candidate) -> dict[str, Any]:
 
 
 def _synchronous_items(profile: Profile, buckets: list[list[int]], wire_dtype: str, options: dict[str, Any],
-                       link_ids: list[int]) -> tuple[list[CommItem], dict[str, Any]]:
-    """WFBP's items in the wire dtypes the plan sends: ``wire_dtype`` for every bucket, or with ``wire_prices``
-    each bucket's choice (``planner.wire.choose_wire``), kept only where the synchronous plan with them is faster,
-    priced, than the float32 one. Also the metadata recording the choice."""
+                       link_ids: list[int]) -> tuple[list[list[int]], list[CommItem], dict[str, Any]]:
+    """WFBP's items in the wire dtypes the plan sends, with their buckets and the metadata recording the choice:
+    ``wire_dtype`` for every bucket, or with ``wire_prices`` each bucket's choice (``_narrowed``). With
+    ``keep_float32`` too, the buckets cut where kept parameters sit beside others that may narrow
+    (``wire.split_kept``) where that plan is faster, priced, than the whole buckets' (an extra message against the
+    narrowed bytes of the kept parameters' neighbours)."""
     if not options.get("wire_prices"):
-        return wfbp_items(profile, buckets, wire_dtype=wire_dtype), {}
+        return buckets, wfbp_items(profile, buckets, wire_dtype=wire_dtype), {}
+    items, metadata, priced_ms = _narrowed(profile, buckets, options, link_ids)
+    split = split_kept(profile, buckets, options.get("keep_float32", ()))
+    if len(split) > len(buckets):
+        split_items, split_metadata, split_ms = _narrowed(profile, split, options, link_ids)
+        if split_ms < priced_ms:
+            return split, split_items, {**split_metadata, "kept_float32_split": len(split) - len(buckets)}
+    return buckets, items, metadata
+
+
+def _narrowed(profile: Profile, buckets: list[list[int]], options: dict[str, Any],
+              link_ids: list[int]) -> tuple[list[CommItem], dict[str, Any], float]:
+    """Each bucket in its wire dtype chosen by price (``planner.wire.choose_wire``), kept only where the synchronous
+    plan with them is faster, priced, than the float32 one; the metadata; that plan's priced simulated step."""
     full = wfbp_items(profile, buckets)
     compute = profile.forward_ms + profile.backward_ms + profile.update_ms
     full_ms = simulate(profile, Plan("deft", full), record=False, check=False).iteration_ms
@@ -402,40 +414,16 @@ def _synchronous_items(profile: Profile, buckets: list[list[int]], wire_dtype: s
     chosen = choose_wire(profile, buckets, prices, full_ms, compute, options.get("keep_float32", ()),
                          [profile.links[l] for l in link_ids])
     if all(dtype == WIRE_FULL for dtype in chosen):
-        return full, {"narrowed_buckets": 0}
+        return full, {"narrowed_buckets": 0}, full_ms
     narrowed = [dataclasses.replace(item, wire_dtype=dtype) for item, dtype in zip(full, chosen)]
     narrowed_ms = simulate(profile, Plan("deft", narrowed), record=False, check=False).iteration_ms
     price = sum(bucket_wire_price(profile, bucket, prices[dtype]) for bucket, dtype in zip(buckets, chosen)
                 if dtype != WIRE_FULL)
-    if priced_step_ms(narrowed_ms, price, compute) >= full_ms:
+    priced_ms = priced_step_ms(narrowed_ms, price, compute)
+    if priced_ms >= full_ms:
         return full, {"narrowed_buckets": 0, "wire_refused": f"narrowed {narrowed_ms:.4g} ms with a price of "
-                      f"{price:.3g} ms is not faster than float32's {full_ms:.4g} ms"}
-    return narrowed, {"narrowed_buckets": sum(dtype != WIRE_FULL for dtype in chosen), "wire_price_ms": price}
-
-
-def _split_kept_if_faster(profile: Profile, buckets: list[list[int]], synchronous: list[CommItem],
-                          metadata: dict[str, Any], wire_dtype: str, options: dict[str, Any],
-                          link_ids: list[int]) -> tuple[list[list[int]], list[CommItem], dict[str, Any]]:
-    """With ``wire_prices`` and ``keep_float32``: the buckets cut where kept parameters sit beside others that may
-    narrow (``wire.split_kept``), with their synchronous items, where that plan is faster, priced, than the whole
-    buckets' (an extra message against the narrowed bytes of the kept parameters' neighbours); else as given."""
-    keep = options.get("keep_float32", ())
-    if not options.get("wire_prices") or not keep:
-        return buckets, synchronous, metadata
-    split = split_kept(profile, buckets, keep)
-    if len(split) == len(buckets):
-        return buckets, synchronous, metadata
-    items, split_metadata = _synchronous_items(profile, split, wire_dtype, options, link_ids)
-    if _priced_ms(profile, items, split_metadata) < _priced_ms(profile, synchronous, metadata):
-        return split, items, {**split_metadata, "kept_float32_split": len(split) - len(buckets)}
-    return buckets, synchronous, metadata
-
-
-def _priced_ms(profile: Profile, items: list[CommItem], metadata: dict[str, Any]) -> float:
-    """A synchronous plan's simulated step, priced by its wire (``metadata["wire_price_ms"]``, 0 where none)."""
-    ms = simulate(profile, Plan("deft", items), record=False, check=False).iteration_ms
-    return priced_step_ms(ms, metadata.get("wire_price_ms", 0.0), profile.forward_ms + profile.backward_ms
-                          + profile.update_ms)
+                      f"{price:.3g} ms is not faster than float32's {full_ms:.4g} ms"}, full_ms
+    return narrowed, {"narrowed_buckets": sum(dtype != WIRE_FULL for dtype in chosen), "wire_price_ms": price}, priced_ms
 
 
 def _layout(synchronous: list[CommItem], share_items: list[tuple[int, int, tuple]], same_as_wfbp: bool) -> Plan:
