@@ -14,7 +14,7 @@ call from the first. A launch is *cold* when Inductor's caches start empty (a fr
   together (``stalls_after_first``: their index and ms);
 * ``replan_steps``: per plan switch after the first compile (the closed loop's trials and duels, the Preserver's
   decisions), the time the switching call and the next one took beyond two median steps, in median steps;
-* ``compile_s``, ``planning_s``, ``graph_s``, ``probe_s``: the runtime's own accounts (``CompiledStep.overheads``);
+* ``compile_s``, ``planning_s``, ``capture_s``, ``graph_s``, ``probe_s``: the runtime's own accounts (``CompiledStep.overheads``);
 * ``--compare-lowering``: the steady step of regional lowering against whole-graph lowering (``inductor-graph``),
   both in one process pair, interleaved blocks after both compiled.
 
@@ -143,7 +143,8 @@ def summarise(value: dict[str, Any]) -> dict[str, Any]:
             "stalls_after_first_s": sum(t - median for _, t in later),
             "stalls_after_first": [[i, round(t * 1e3)] for i, t in later],
             "compile_s": over.get("compile_seconds"), "planning_s": over.get("planning_seconds"),
-            "graph_s": over.get("graph_seconds"), "probe_s": over.get("probe_seconds"),
+            "capture_s": over.get("capture_seconds"), "graph_s": over.get("graph_seconds"),
+            "probe_s": over.get("probe_seconds"),
             "compiles": value["compiles"], "graphs": over.get("graphs"), "delayed_items": value["delayed_items"],
             "compiler": value["compiler"], "first_steps_ms": [round(t * 1e3) for t in times[:6]],
             "peak_rss_mib": value.get("peak_rss_mib")}

@@ -772,11 +772,13 @@ def overheads(value: dict[str, Any]) -> dict[str, float | None]:
     compiled = {}
     if measured is not None:  # the runtime's own account of its staleness measurements (CompiledStep.overheads)
         probe = measured["probe_seconds"]
-        # inside the first step and the retraces: Inductor's compiles and the planning (profile, solve)
+        # inside the first step and the retraces: Inductor's compiles, the planning (profile, solve) and the
+        # step's make_fx captures
         compiled = {"compile_s": float(measured.get("compile_seconds", 0.0)),
-                    "planning_s": float(measured.get("planning_seconds", 0.0))}
+                    "planning_s": float(measured.get("planning_seconds", 0.0)),
+                    "capture_s": float(measured.get("capture_seconds", 0.0))}
     elif value.get("torch_compile"):  # torch.compile(DDP) compiles forward and backward inside its first call
-        compiled = {"compile_s": first, "planning_s": 0.0}
+        compiled = {"compile_s": first, "planning_s": 0.0, "capture_s": 0.0}
     seconds = {"first_step": first, "retrace": retrace, "probe": probe, "flush": value.get("flush_s", 0.0),
                "chunk_sync": value.get("sync_s", 0.0)}
     total = value["train_s"]

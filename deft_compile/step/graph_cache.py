@@ -68,7 +68,8 @@ class GraphCache:
         self.trace_count = 0  # step graphs built (passes run), one per miss
         self.capture_count = 0  # of those, the ones that traced the step (make_fx) instead of reusing a capture
         self.last_trace_seconds = 0.0
-        self.graph_seconds = 0.0
+        self.graph_seconds = 0.0  # passes and region extraction per step graph; captures apart
+        self.capture_seconds = 0.0  # make_fx traces of the step (``_trace``)
         self._verified_signature: list | None = None
 
     def graph(self, args: tuple, kwargs: dict, items: list[ScheduledItem], phases: dict[int, ItemPhase],
@@ -148,6 +149,14 @@ class GraphCache:
         return slots
 
     def _trace(self, args: tuple, kwargs: dict, dynamic: frozenset) -> CapturedStep:
+        """A new capture, its time counted in ``capture_seconds``."""
+        started = time.perf_counter()
+        try:
+            return self._capture(args, kwargs, dynamic)
+        finally:
+            self.capture_seconds += time.perf_counter() - started
+
+    def _capture(self, args: tuple, kwargs: dict, dynamic: frozenset) -> CapturedStep:
         """A new capture; with ``dynamic`` dimensions, symbolic in them, else (or when that trace fails) static."""
         self.capture_count += 1
         options = dict(scale_loss=self.loss_scaler is not None, accumulation_steps=self.config.accumulation_steps)
@@ -179,7 +188,7 @@ class GraphCache:
                plan: Plan | None, *, flush: bool) -> CompiledGraph:
         """Run the passes on a copy of the call's capture (traced first where the cache has none) and cache the
         step graph under the key of the capture it came from (static where the symbolic trace failed)."""
-        started = time.perf_counter()
+        started, captures_before = time.perf_counter(), self.capture_seconds
         captured = self.captured(args, kwargs)
         user_tensors, constants, spec = split_user_inputs(args, kwargs)
         key = self._graph_key(user_tensors, constants, spec, items, phases, plan, flush)
@@ -199,7 +208,7 @@ class GraphCache:
                                         guards=guards, buffer_group=buffer_group, compensation=compensation)
         self.trace_count += 1
         self.last_trace_seconds = time.perf_counter() - started
-        self.graph_seconds += self.last_trace_seconds
+        self.graph_seconds += self.last_trace_seconds - (self.capture_seconds - captures_before)
         log.info(
             "built step graph %d (%d traces; %s%s, %d nodes, %d communication items) in %.2f s",
             self.trace_count,

@@ -77,7 +77,7 @@ class StepPlanning:
         # calls of ``switch_plan``: a switch to the plan that already runs changes no hash, and the closed loop must
         # still see that someone decided (the Preserver stepping back to the synchronous plan a duel is timing)
         self.plan_switches = 0
-        self.seconds = 0.0  # profiling and solving the first plan
+        self.seconds = 0.0  # the eager pass before the first capture, profiling and solving the first plan
         self.monitor: PreserverMonitor | None = None
         self.model = model
         self.optimizer = optimizer
@@ -128,8 +128,8 @@ class StepPlanning:
     def plan_first(self, args: tuple, kwargs: dict) -> None:
         """Profile (unless given or not needed), solve, check the plan hash across ranks, translate to items.
         The capture stays cached: the call that plans compiles from it right after."""
+        captured = self.runner.cache.captured(args, kwargs)  # counted in the cache's ``capture_seconds``
         started = time.perf_counter()
-        captured = self.runner.cache.captured(args, kwargs)
         annotation = annotate_capture(captured)
         index = ProfileIndex.of(annotation)
         if self.groups.comm_group is None:
@@ -200,11 +200,14 @@ class StepPlanning:
         from deft_compile.step.optim_support import initialize_state
 
         state = ModelState.of(self.model)
+        started = time.perf_counter()
         try:
             gradients = step_gradients(self.model, state.param_names, state.params,
                                        dict(zip(state.buffer_names, state.buffers)), self.loss_fn, args, kwargs)
         except Exception:  # noqa: BLE001 - the capture that follows names what is wrong with the step
             return
+        finally:
+            self.seconds += time.perf_counter() - started
         initialize_state(optimizer, [p for p, g in zip(state.params, gradients) if g is not None])
         self._warmed = True
         if self.groups.comm_group is not None and self.narrows_by_price():

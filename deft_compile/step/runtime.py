@@ -282,15 +282,18 @@ class CompiledStep:
 
     @property
     def overheads(self) -> dict[str, float | int]:
-        """Wall-clock seconds this step spent outside training steps proper: profiling and solving the first
-        plan (``planning_seconds``), building step graphs (``graph_seconds``: tracing and passes, not the
-        Inductor compile, which ``lowering.history`` reports), the Preserver's staleness measurements
-        (``probe_seconds``) and its copies and paired replays for loss signals (``attribution_seconds``); with the
-        counts of graphs built, of step traces and of the Preserver's measurements by kind (``staleness_probes``:
-        two eager passes each, ``wire_probes``: one)."""
+        """Wall-clock seconds this step spent outside training steps proper: the eager forward and backward
+        before the first capture (the optimizer's state, the wire's price), profiling and solving the first plan
+        (``planning_seconds``), tracing the step with ``make_fx`` (``capture_seconds``), running the passes and
+        cutting regions per step graph (``graph_seconds``; not the Inductor compile, which ``compile_seconds`` sums
+        from ``lowering.history``), the Preserver's staleness measurements (``probe_seconds``) and its copies and
+        paired replays for loss signals (``attribution_seconds``); with the counts of graphs built, of step traces
+        and of the Preserver's measurements by kind (``staleness_probes``: two eager passes each, ``wire_probes``:
+        one)."""
         monitor = self.planning.monitor
         return {
             "planning_seconds": self.planning.seconds,
+            "capture_seconds": self.runner.cache.capture_seconds,
             "graph_seconds": self.runner.cache.graph_seconds,
             "probe_seconds": monitor.probe_seconds if monitor is not None else 0.0,
             "attribution_seconds": monitor.attribution_seconds if monitor is not None else 0.0,
