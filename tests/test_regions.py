@@ -114,6 +114,27 @@ def test_every_plan_leaves_the_regions_whole_and_the_same(captured_and_reference
         assert len(plan.items) > 1
 
 
+def test_a_later_plan_reuses_the_regions_an_earlier_plan_extracted(captured_and_reference):
+    """Programs of one capture share their region segments (``templates``): another plan's graph, whose passes named
+    the bucket views its updates read afresh, takes every update region from the first plan's program, and each
+    segment it takes is the one it would have extracted (the same structure, read from the same inputs)."""
+    captured, _ = captured_and_reference
+    templates: dict = {}
+    first = RegionalProgram(_rewritten(captured, "wfbp", first_bucket_bytes=1500, bucket_cap_bytes=6000)[0], templates)
+    extracted = {id(s.module) for s in first.segments if s.is_region}
+    _, _, items = _rewritten(captured, "usbyte")
+    carried = {item.id: ItemPhase(pending_in=True) for item in items if item.apply == APPLY_NEXT_FORWARD}
+    for policy, options in (("wfbp", {"first_bucket_bytes": 1 << 30, "bucket_cap_bytes": 1 << 30}),
+                            ("usbyte", {"phases": carried})):  # its steady graph: updates before the forward
+        gm = _rewritten(captured, policy, **options)[0]
+        program, fresh = RegionalProgram(gm, templates), RegionalProgram(gm)
+        updates = [s for s in program.segments if s.is_region and s.region[0] == "update"]
+        assert updates and all(id(s.module) in extracted for s in updates), policy
+        for reused, own in zip(program.segments, fresh.segments):
+            assert reused.region == own.region and reused.key == own.key, (policy, own.region)
+            assert reused.inputs == own.inputs and reused.outputs == own.outputs, (policy, own.region)
+
+
 @pytest.mark.parametrize("policy", ["bytescheduler", "usbyte"])
 def test_an_update_moved_before_a_layer_runs_before_every_forward_region_that_reads_its_parameter(
         captured_and_reference, policy):

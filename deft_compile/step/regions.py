@@ -175,8 +175,8 @@ class RegionalProgram:
     """A rewritten step graph as segments run in order (see the module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, templates: dict[tuple, "Segment"] | None = None) -> None:
-        """``templates``: region segments of earlier programs of the same capture, by the names of their nodes and
-        inputs (names survive the copy each step graph starts from), reused instead of extracted again."""
+        """``templates``: region segments of earlier programs of the same capture, by what decides their extracted
+        graphs (``_template_signature``), reused instead of extracted again."""
         self.gm = gm
         self._templates = templates if templates is not None else {}
         graph = gm.graph
@@ -199,11 +199,9 @@ class RegionalProgram:
     def _segment(self, region: tuple | None, nodes: list[fx.Node]) -> Segment:
         members = set(nodes)
         if region is not None:
-            named = {n.name: n for n in nodes}
-            inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
-                                        if a not in members and a.meta.get(REGION) != SCALAR))
+            inputs = _extracted_inputs(nodes, members)
             outputs = [n for n in nodes if any(user not in members for user in n.users)]
-            signature = (region, tuple(named), tuple(a.name for a in inputs), tuple(n.name for n in outputs))
+            signature = _template_signature(region, nodes, inputs, outputs)
             template = self._templates.get(signature)
             if template is not None:
                 return dataclasses.replace(template, inputs=inputs, outputs=outputs, release=[])
@@ -274,6 +272,61 @@ class RegionalProgram:
             for value in segment.release:
                 env.pop(value, None)
         return fx.node.map_arg(self.output_node.args[0], lambda node: env[node] if node in env else _scalar(node, env))
+
+
+def _extracted_inputs(nodes: list[fx.Node], members: set[fx.Node]) -> list[fx.Node]:
+    """The inputs ``RegionalProgram._extract`` gives a segment of ``nodes``, in its order: each value read from
+    outside, first read first, where a scalar copied in reads its own inputs at its place (the learning rate's
+    graph input, behind the ``.item()`` arithmetic an update reads)."""
+    seen: set[fx.Node] = set()
+    inputs: list[fx.Node] = []
+
+    def visit(arg: fx.Node) -> None:
+        if arg in members or arg in seen:
+            return
+        seen.add(arg)
+        if arg.meta.get(REGION) == SCALAR:
+            for inner in arg.all_input_nodes:
+                visit(inner)
+            return
+        inputs.append(arg)
+
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            visit(arg)
+    return inputs
+
+
+def _template_signature(region: tuple, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple:
+    """What decides a region segment's extracted graph, without extracting it: its nodes (by name: a capture's nodes
+    keep their names in every step graph copied from it), which of them are outputs, each input's shape, stride
+    and dtype, and for each node which member, input or copied-in scalar each of its arguments is. Why not the
+    inputs' names: a pass names the nodes it inserts (a bucket view, a waited gradient, a carried learning rate)
+    afresh in each step graph, so by name no update region would match a graph of another plan, while the graph
+    extracted from its nodes is the same."""
+    position = {node: i for i, node in enumerate(nodes)}
+    slot = {node: i for i, node in enumerate(inputs)}
+    scalars: dict[fx.Node, tuple] = {}
+
+    def role(arg: fx.Node) -> tuple:
+        if arg in position:
+            return ("node", position[arg])
+        if arg in slot:
+            return ("input", slot[arg])
+        if arg not in scalars:  # copied in: by what it computes (a pass's copy of the rate's ``.item()`` is named anew)
+            scalars[arg] = ("scalar", str(arg.target), repr(fx.node.map_arg((arg.args, arg.kwargs), role)))
+        return scalars[arg]
+
+    pattern = tuple(tuple(role(arg) for arg in node.all_input_nodes) for node in nodes)
+    return (region, tuple(n.name for n in nodes), tuple(_value_signature(a) for a in inputs), pattern,
+            tuple(n.name for n in outputs))
+
+
+def _value_signature(node: fx.Node) -> tuple:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return (str(tuple(value.shape)), str(tuple(value.stride())), value.dtype)
+    return (type(value).__name__,)
 
 
 def _region_of(node: fx.Node) -> tuple | None:
