@@ -22,7 +22,8 @@ Part ``trainer``, 2 gloo processes: a tiny ``transformers`` GPT-2 (from a config
 steps with dynamic padding (each batch padded to its own longest sample, so every rank has its own length every
 step), batch 4 per rank. Variants: the plain ``Trainer`` (DDP), ``Trainer`` with ``torch_compile=True``,
 ``DeftTrainer`` with its defaults and with ``policy="wfbp"`` (DDP's numbers). Per variant: wall-clock of
-``train()``, compiles and captures, and the per-step losses against the plain ``Trainer``'s.
+``train()``, compiles and captures, and the per-step losses against the plain ``Trainer``'s. ``--warm``: each
+measured run reuses the Inductor cache that an unmeasured run of the same variant filled just before it.
 
 Results: ``<out>/shapes.json`` with provenance.
 """
@@ -204,22 +205,30 @@ def trainer_worker(rank: int, world_size: int, variant: str, steps: int, output_
     return result
 
 
-def run_trainer(launches: int, steps: int, variants: tuple[str, ...] = TRAINER_VARIANTS) -> list[dict[str, Any]]:
+def run_trainer(launches: int, steps: int, variants: tuple[str, ...] = TRAINER_VARIANTS,
+                warm: bool = False) -> list[dict[str, Any]]:
+    """``launches`` rounds of every variant (rotating order), each in fresh processes with a fresh Inductor cache;
+    ``warm``: each measured run reuses the cache an unmeasured run of the same variant filled just before it."""
     from deft_compile.tools.launcher import run_local_workers
+
+    def launch_once(variant: str, cache: str) -> list[dict[str, Any]]:
+        with tempfile.TemporaryDirectory(prefix="deft-shapes-trainer-") as output:
+            return [r.value for r in run_local_workers(
+                trainer_worker, 2, (variant, steps, output), timeout_s=3600, collective_timeout_s=600,
+                env={"TORCHINDUCTOR_CACHE_DIR": cache}, start_method="spawn")]
 
     runs = []
     for launch in range(launches):
         order = variants[launch % len(variants):] + variants[:launch % len(variants)]
         for variant in order:
-            with tempfile.TemporaryDirectory(prefix="deft-shapes-cache-") as cache, \
-                    tempfile.TemporaryDirectory(prefix="deft-shapes-trainer-") as output:
-                values = [r.value for r in run_local_workers(
-                    trainer_worker, 2, (variant, steps, output), timeout_s=3600, collective_timeout_s=600,
-                    env={"TORCHINDUCTOR_CACHE_DIR": cache}, start_method="spawn")]
-            result = values[0] | {"launch": launch, "rank1": values[1]}
+            with tempfile.TemporaryDirectory(prefix="deft-shapes-cache-") as cache:
+                if warm:
+                    launch_once(variant, cache)  # fills the cache; not measured
+                values = launch_once(variant, cache)
+            result = values[0] | {"launch": launch, "cache": "warm" if warm else "cold", "rank1": values[1]}
             runs.append(result)
-            print(f"trainer #{launch} {variant}: train {result['train_s']:.1f} s, {result.get('compiles')} compiles, "
-                  f"{result.get('captures', '-')} captures", flush=True)
+            print(f"trainer #{launch} {variant} ({result['cache']}): train {result['train_s']:.1f} s, "
+                  f"{result.get('compiles')} compiles, {result.get('captures', '-')} captures", flush=True)
     return runs
 
 
@@ -251,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="shapes_out")
     parser.add_argument("--variants", help="a comma-separated subset of the part's variants (default: all of them; "
                         "the losses compare with deft-aten's and the plain trainer's where those run)")
+    parser.add_argument("--warm", action="store_true", help="trainer part: measure each variant on the Inductor cache "
+                        "an unmeasured run of it filled (default: a fresh, cold cache)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         report["sequence"] = {"runs": runs, "summary": summarise_sequence(runs)}
         (out / "shapes.json").write_text(json.dumps(report, indent=1))
     if args.part in ("all", "trainer"):
-        runs = run_trainer(args.launches, args.steps, _chosen(args.variants, TRAINER_VARIANTS))
+        runs = run_trainer(args.launches, args.steps, _chosen(args.variants, TRAINER_VARIANTS), warm=args.warm)
         report["trainer"] = {"runs": runs, "summary": summarise_trainer(runs)}
     (out / "shapes.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({part: report[part]["summary"] for part in ("sequence", "trainer") if part in report}, indent=1))
