@@ -21,7 +21,8 @@ variants' against ``deft-aten``'s).
 Part ``trainer``, 2 gloo processes: a tiny ``transformers`` GPT-2 (from a config, random weights) fine-tuned for 50
 steps with dynamic padding (each batch padded to its own longest sample, so every rank has its own length every
 step), batch 4 per rank. Variants: the plain ``Trainer`` (DDP), ``Trainer`` with ``torch_compile=True``,
-``DeftTrainer`` with its defaults and with ``policy="wfbp"`` (DDP's numbers). Per variant: wall-clock of
+``DeftTrainer`` with its defaults, with ``dynamic_lengths=True`` (``deft-dynamic``: the length symbolic from the
+first call) and with ``policy="wfbp"`` (DDP's numbers). Per variant: wall-clock of
 ``train()``, compiles and captures, and the per-step losses against the plain ``Trainer``'s. ``--warm``: each
 measured run reuses the Inductor cache that an unmeasured run of the same variant filled just before it.
 
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 LENGTHS = [33, 41, 29, 57, 48, 36] * 3
 SEQUENCE_VARIANTS = ("deft", "deft-graph", "deft-aten", "torch.compile", "deft-marked", "torch.compile-marked")
-TRAINER_VARIANTS = ("trainer", "trainer-compile", "deft", "deft-wfbp")
+TRAINER_VARIANTS = ("trainer", "trainer-compile", "deft", "deft-dynamic", "deft-wfbp")
 VOCAB = 96
 
 
@@ -186,7 +187,9 @@ def trainer_worker(rank: int, world_size: int, variant: str, steps: int, output_
     trainer_cls = transformers.Trainer
     if variant.startswith("deft"):
         trainer_cls = DeftTrainer
-        kwargs["policy"] = "wfbp" if variant == "deft-wfbp" else "deft"
+        kwargs["policy"] = "wfbp" if variant.startswith("deft-wfbp") else "deft"
+        if variant.endswith("-dynamic"):  # this collator pads to the longest sample: say so
+            kwargs["dynamic_lengths"] = True
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, data_collator=_padded, **kwargs)
     begun = time.perf_counter()
     trainer.train()

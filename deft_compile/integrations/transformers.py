@@ -27,6 +27,11 @@ callbacks, ``save_steps`` checkpoints and resuming. What runs instead:
   (0: none), fp16's ``GradScaler`` → ``loss_scale`` (a skipped update does not step the scheduler),
   ``ddp_bucket_cap_mb`` → ``bucket_cap_mb``, ``ddp_broadcast_buffers`` → ``broadcast_buffers``.
   A ``deft_config`` that sets one of them differently raises ``ValueError``.
+- Where each batch has its own sequence length (``dynamic_lengths=True``, or by default transformers'
+  ``DataCollatorWithPadding`` / ``DataCollatorForSeq2Seq`` padding to the longest sample), the sequence
+  dimension of the token tensors is marked dynamic (``torch._dynamo.mark_dynamic``): the step is captured and
+  compiled once, symbolic in the length, from the first call. ``dynamic_lengths=False`` leaves the first length
+  static (a second, symbolic capture follows the first new length).
 - The logged ``grad_norm`` is the step's ``last_grad_norm`` (before clipping, as Trainer's).
 - A cycle of fewer micro-batches than ``gradient_accumulation_steps`` (the end of an epoch) is
   applied by ``flush()`` with the mean over its micro-batches, as Trainer does.
@@ -97,7 +102,7 @@ class DeftTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, policy: str = "deft", deft_config: DeftConfig | None = None,
-                 profile: Profile | None = None, **kwargs: Any) -> None:
+                 profile: Profile | None = None, dynamic_lengths: bool | None = None, **kwargs: Any) -> None:
         missing = [name for name in _TRAINER_HOOKS if not callable(getattr(Trainer, name, None))]
         if missing:
             import transformers
@@ -110,6 +115,7 @@ class DeftTrainer(Trainer):
         self.deft_policy = policy
         self.deft_config = deft_config if deft_config is not None else DeftConfig()
         self.deft_profile = profile
+        self.dynamic_lengths = dynamic_lengths
         self.deft_step: CompiledStep | None = None
         self._deft_resume: dict[str, Any] | None = None  # the step state read from the checkpoint being resumed
         super().__init__(*args, **kwargs)
@@ -170,6 +176,8 @@ class DeftTrainer(Trainer):
         step = self.compiled_step(model)
         model.train()
         inputs = self._prepare_inputs(inputs)
+        if self.pads_to_longest():
+            mark_lengths_dynamic(inputs)
         micro_batches = self.current_gradient_accumulation_steps
         # the step averages the micro-batches' gradients (sum / count); Trainer sums those of losses that are
         # already divided by the count, either by itself (then the step gets the plain loss) or by compute_loss
@@ -184,6 +192,14 @@ class DeftTrainer(Trainer):
             raise DeftError(f"the step updated after {micro_batches} micro-batch(es) of an accumulation cycle that "
                             f"Trainer had not ended (step count {step.step_count})")
         return loss.detach() / micro_batches
+
+    def pads_to_longest(self) -> bool:
+        """Whether each batch's sequence length is its own: ``dynamic_lengths`` where given, else whether the data
+        collator is one of transformers' that pad to the longest sample (``DataCollatorWithPadding``,
+        ``DataCollatorForSeq2Seq`` with ``padding`` True or ``"longest"``; Trainer's default with a tokenizer)."""
+        if self.dynamic_lengths is not None:
+            return self.dynamic_lengths
+        return pads_to_longest(self.data_collator)
 
     def _loss_scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:
         """Trainer's rule: is ``compute_loss``'s loss already divided over the whole accumulation cycle?"""
@@ -250,6 +266,29 @@ class DeftTrainer(Trainer):
     def predict(self, *args: Any, **kwargs: Any):
         self.flush()
         return super().predict(*args, **kwargs)
+
+
+def pads_to_longest(collator: Any) -> bool:
+    """Whether ``collator`` pads each batch to its own longest sample: transformers' ``DataCollatorWithPadding`` and
+    ``DataCollatorForSeq2Seq`` with ``padding`` True or ``"longest"`` (their default). Others (a fixed length, a
+    collator of the user's, language-model collators over fixed-size blocks) are not assumed to."""
+    import transformers
+
+    kinds = tuple(getattr(transformers, name) for name in ("DataCollatorWithPadding", "DataCollatorForSeq2Seq")
+                  if hasattr(transformers, name))
+    return isinstance(collator, kinds) and getattr(collator, "padding", None) in (True, "longest")
+
+
+def mark_lengths_dynamic(inputs: dict[str, Any]) -> None:
+    """Mark the sequence dimension (1) of every integer batch tensor of two or more dimensions (token ids, masks,
+    labels) dynamic (``torch._dynamo.mark_dynamic``), where it has at least two positions: the step captures it
+    symbolic from the first call, instead of a static capture (and its compiles) for the first length and a
+    symbolic one at the second. A length of 1 stays static (a symbolic size is never 0 or 1), and so do
+    floating-point features (images, embeddings), whose dimension 1 is no length."""
+    for value in inputs.values():
+        if (isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 2
+                and value.shape[1] >= 2):
+            torch._dynamo.mark_dynamic(value, 1)
 
 
 class _UpdatedByStep(torch.optim.Optimizer):
