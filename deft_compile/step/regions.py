@@ -198,39 +198,34 @@ class RegionalProgram:
 
     def _segment(self, region: tuple | None, nodes: list[fx.Node]) -> Segment:
         members = set(nodes)
-        if region is not None:
-            inputs = _extracted_inputs(nodes, members)
-            outputs = [n for n in nodes if any(user not in members for user in n.users)]
-            signature = _template_signature(region, nodes, inputs, outputs)
-            template = self._templates.get(signature)
-            if template is not None:
-                return dataclasses.replace(template, inputs=inputs, outputs=outputs, release=[])
-            segment = self._extract(region, nodes, members)
-            if [a.name for a in segment.inputs] == [a.name for a in inputs]:
-                self._templates[signature] = segment
-            return segment
-        return self._extract(region, nodes, members)
+        inputs = _extracted_inputs(nodes, members)
+        outputs = [n for n in nodes if any(user not in members for user in n.users)]
+        if region is None:
+            return self._extract(region, nodes, inputs, outputs)
+        signature = _template_signature(region, nodes, inputs, outputs)
+        template = self._templates.get(signature)
+        if template is not None:
+            return dataclasses.replace(template, inputs=inputs, outputs=outputs, release=[])
+        segment = self._templates[signature] = self._extract(region, nodes, inputs, outputs)
+        return segment
 
-    def _extract(self, region: tuple | None, nodes: list[fx.Node], members: set[fx.Node]) -> Segment:
+    def _extract(self, region: tuple | None, nodes: list[fx.Node], inputs: list[fx.Node],
+                 outputs: list[fx.Node]) -> Segment:
+        """``nodes`` as a graph module of their own: a placeholder per input, in ``inputs``' order, then the nodes,
+        with the scalars they read copied in."""
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        inputs: list[fx.Node] = []
+        for index, arg in enumerate(inputs):
+            env[arg] = graph.placeholder(f"in_{index}")
+            env[arg].meta.update({k: v for k, v in arg.meta.items() if k == "val"})
 
         def value_of(arg: fx.Node) -> fx.Node:
-            if arg in env:
-                return env[arg]
-            if arg.meta.get(REGION) == SCALAR:  # copy the scalar's computation here, from graph inputs
+            if arg not in env:  # a scalar (``_extracted_inputs``): its computation copied here, from graph inputs
                 env[arg] = graph.node_copy(arg, value_of)
-                return env[arg]
-            placeholder = graph.placeholder(f"in_{len(inputs)}")
-            placeholder.meta.update({k: v for k, v in arg.meta.items() if k == "val"})
-            inputs.append(arg)
-            env[arg] = placeholder
-            return placeholder
+            return env[arg]
 
         for node in nodes:
             env[node] = graph.node_copy(node, value_of)
-        outputs = [n for n in nodes if any(user not in members for user in n.users)]
         graph.output(tuple(env[n] for n in outputs))
         module = _make_graph_module(self.gm, graph)  # lazy under lowering.lazy_graph_modules()
         segment = Segment(region, module, inputs, outputs)
@@ -275,9 +270,9 @@ class RegionalProgram:
 
 
 def _extracted_inputs(nodes: list[fx.Node], members: set[fx.Node]) -> list[fx.Node]:
-    """The inputs ``RegionalProgram._extract`` gives a segment of ``nodes``, in its order: each value read from
-    outside, first read first, where a scalar copied in reads its own inputs at its place (the learning rate's
-    graph input, behind the ``.item()`` arithmetic an update reads)."""
+    """A segment's inputs: each value ``nodes`` read from outside, first read first, where a scalar (copied into the
+    segment) reads its own inputs at its place (the learning rate's graph input, behind the ``.item()`` arithmetic
+    an update reads)."""
     seen: set[fx.Node] = set()
     inputs: list[fx.Node] = []
 
