@@ -29,3 +29,19 @@ def test_the_length_of_token_tensors_is_marked_and_nothing_else():
     marked = {k for k, v in batch.items() if getattr(v, "_dynamo_dynamic_indices", None)}
     assert marked == {"input_ids", "attention_mask", "labels"}
     assert batch["input_ids"]._dynamo_dynamic_indices == {1}
+
+
+def test_deft_trainer_decides_once_from_its_collator_unless_told(tmp_path):
+    from deft_compile.integrations.transformers import DeftTrainer
+
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
+
+    def trainer(**kwargs):
+        return DeftTrainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=[], **kwargs)
+
+    padding = transformers.DataCollatorWithPadding(object())
+    assert trainer(data_collator=padding).dynamic_lengths is True
+    assert trainer(data_collator=padding, dynamic_lengths=False).dynamic_lengths is False
+    assert trainer().dynamic_lengths is False  # Trainer's default_data_collator: samples stacked as they are
+    assert trainer(dynamic_lengths=True).dynamic_lengths is True

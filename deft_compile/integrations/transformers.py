@@ -66,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from transformers import Trainer, TrainerCallback
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from deft_compile import step_state
@@ -115,7 +115,6 @@ class DeftTrainer(Trainer):
         self.deft_policy = policy
         self.deft_config = deft_config if deft_config is not None else DeftConfig()
         self.deft_profile = profile
-        self.dynamic_lengths = dynamic_lengths
         self.deft_step: CompiledStep | None = None
         self._deft_resume: dict[str, Any] | None = None  # the step state read from the checkpoint being resumed
         super().__init__(*args, **kwargs)
@@ -124,6 +123,8 @@ class DeftTrainer(Trainer):
             if enabled:
                 raise ValueError(_refusal(what))
         self.add_callback(_FlushAtEnd(self))
+        # whether each batch has its own sequence length: as given, else by the data collator Trainer settled on
+        self.dynamic_lengths = pads_to_longest(self.data_collator) if dynamic_lengths is None else dynamic_lengths
 
     # -- the step ---------------------------------------------------------------------------------------------
     def step_config(self) -> DeftConfig:
@@ -176,7 +177,7 @@ class DeftTrainer(Trainer):
         step = self.compiled_step(model)
         model.train()
         inputs = self._prepare_inputs(inputs)
-        if self.pads_to_longest():
+        if self.dynamic_lengths:
             mark_lengths_dynamic(inputs)
         micro_batches = self.current_gradient_accumulation_steps
         # the step averages the micro-batches' gradients (sum / count); Trainer sums those of losses that are
@@ -192,14 +193,6 @@ class DeftTrainer(Trainer):
             raise DeftError(f"the step updated after {micro_batches} micro-batch(es) of an accumulation cycle that "
                             f"Trainer had not ended (step count {step.step_count})")
         return loss.detach() / micro_batches
-
-    def pads_to_longest(self) -> bool:
-        """Whether each batch's sequence length is its own: ``dynamic_lengths`` where given, else whether the data
-        collator is one of transformers' that pad to the longest sample (``DataCollatorWithPadding``,
-        ``DataCollatorForSeq2Seq`` with ``padding`` True or ``"longest"``; Trainer's default with a tokenizer)."""
-        if self.dynamic_lengths is not None:
-            return self.dynamic_lengths
-        return pads_to_longest(self.data_collator)
 
     def _loss_scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:
         """Trainer's rule: is ``compute_loss``'s loss already divided over the whole accumulation cycle?"""
@@ -272,11 +265,8 @@ def pads_to_longest(collator: Any) -> bool:
     """Whether ``collator`` pads each batch to its own longest sample: transformers' ``DataCollatorWithPadding`` and
     ``DataCollatorForSeq2Seq`` with ``padding`` True or ``"longest"`` (their default). Others (a fixed length, a
     collator of the user's, language-model collators over fixed-size blocks) are not assumed to."""
-    import transformers
-
-    kinds = tuple(getattr(transformers, name) for name in ("DataCollatorWithPadding", "DataCollatorForSeq2Seq")
-                  if hasattr(transformers, name))
-    return isinstance(collator, kinds) and getattr(collator, "padding", None) in (True, "longest")
+    return (isinstance(collator, (DataCollatorWithPadding, DataCollatorForSeq2Seq))
+            and collator.padding in (True, "longest"))
 
 
 def mark_lengths_dynamic(inputs: dict[str, Any]) -> None:
