@@ -68,7 +68,7 @@ class GraphCache:
         self.trace_count = 0  # step graphs built (passes run), one per miss
         self.capture_count = 0  # of those, the ones that traced the step (make_fx) instead of reusing a capture
         self.last_trace_seconds = 0.0
-        self.graph_seconds = 0.0  # passes and region extraction per step graph; captures apart
+        self.graph_seconds = 0.0  # the capture's copy and the passes per step graph; captures apart
         self.capture_seconds = 0.0  # make_fx traces of the step (``_trace``)
         self._verified_signature: list | None = None
 
