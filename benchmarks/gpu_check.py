@@ -740,7 +740,7 @@ def part_profiler(device, tiny: bool, checks: Checks) -> None:
     torch = _torch()
 
     from deft_compile.step.capture import capture_step, split_user_inputs
-    from deft_compile.step.optim_support import lr_inputs
+    from deft_compile.step.optim_support import hyperparameter_inputs
     from deft_compile.step.pipeline import annotate_capture
     from deft_compile.step.profiler import measure_node_times
     from deft_compile.step.scheduling import ProfileIndex
@@ -758,7 +758,7 @@ def part_profiler(device, tiny: bool, checks: Checks) -> None:
     annotation = annotate_capture(captured)
     index = ProfileIndex.of(annotation)
     user_tensors, _, _ = split_user_inputs(args, kwargs)
-    inputs = [*captured.model_state.params, *captured.model_state.buffers, *user_tensors, *lr_inputs(optimizer)]
+    inputs = [*captured.model_state.params, *captured.model_state.buffers, *user_tensors, *hyperparameter_inputs(optimizer)]
     clock = clock_for(device)
     checks.add("profiler clock follows the device", clock.kind == ("cuda" if device.type == "cuda" else "host"),
                clock.kind, "cuda events on a GPU, the host clock on a CPU")

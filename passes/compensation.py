@@ -41,8 +41,8 @@ class Compensation:
     """Which parameters (captured indices) are compensated, and their optimizer's family and hyper-parameters.
 
     ``momentum``: SGD's, per parameter. ``betas``, ``eps``: Adam's, per parameter. ``lr_input``: the position,
-    among the graph's learning-rate inputs, of each parameter's group rate (None: the rate is a constant,
-    ``lr``). ``predict``: forward and backward at the predicted weights."""
+    among the graph's hyper-parameter inputs (``GraphLayout.hyper_inputs``), of each parameter's group rate (absent:
+    the rate is a constant, ``lr``). ``predict``: forward and backward at the predicted weights."""
 
     params: frozenset[int]
     family: str
@@ -74,7 +74,7 @@ def compensate_delayed(gm: fx.GraphModule, compensation: Compensation) -> fx.Gra
     for (index, key), node in zip(layout.state_inputs, placeholders[start: start + len(layout.state_inputs)]):
         state.setdefault(index, {})[key] = node
     lr_start = start + len(layout.state_inputs) + layout.num_user_inputs
-    rates = placeholders[lr_start: lr_start + layout.num_lr_inputs]
+    rates = placeholders[lr_start: lr_start + layout.num_hyper_inputs]
     markers = [n for n in nodes if n.op == "call_function" and n.target == ops.GRADIENT]
     update_start = max((order[m] for m in markers), default=len(nodes))
     for index in sorted(compensation.params):

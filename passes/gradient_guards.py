@@ -188,7 +188,7 @@ class _Guard:
             with g.inserting_after(kept):
                 g.call_function(aten.copy_.default, (tensor, kept))
         layout = self.layout
-        start = layout.num_params + layout.num_buffers + len(layout.state_inputs) + layout.num_user_inputs + layout.num_lr_inputs
+        start = layout.num_params + layout.num_buffers + len(layout.state_inputs) + layout.num_user_inputs + layout.num_hyper_inputs
         scale, tracker = self.placeholders[start : start + 2]
         with g.inserting_before(first_update):
             g.call_function(

@@ -32,10 +32,11 @@ local gradients) are extra graph outputs and, in the next call, extra graph
 inputs, like ``IterGraphModule`` did in ``torch.distributed._spmd``.
 
 A next-forward update is step t's update run in call t+1, so it applies step
-t's learning rate: a call that launches next-forward items carries its
-learning-rate inputs out (``lr:<group>``), and the next call or flush rewires
-the moved updates to read those instead of its own (an LR scheduler steps
-between calls, so the call's own inputs hold step t+1's rate). Next-update
+t's learning rate (and other hyper-parameter inputs): a call that launches
+next-forward items carries its hyper-parameter inputs out (``hp:<index>``),
+and the next call or flush rewires the moved updates to read those instead of
+its own (an LR scheduler steps between calls, so the call's own inputs hold
+step t+1's rate). Next-update
 items (DeFT's delayed buckets) are the update of the step that applies them
 and read that step's rate. Three
 variants of a step graph exist: without carries (the first step: parameters
@@ -175,9 +176,10 @@ def stats_key(item_id: int) -> str:
     return f"stats:{item_id}"
 
 
-def learning_rate_key(group: int) -> str:
-    """The carried learning rate of param group ``group`` for updates moved to the next call."""
-    return f"lr:{group}"
+def hyperparameter_carry_key(index: int) -> str:
+    """The carried value of hyper-parameter input ``index`` (``GraphLayout.hyper_inputs``: a group's learning rate,
+    its betas, ...) for the updates moved to the next call."""
+    return f"hp:{index}"
 
 
 def item_of_key(key: str) -> int | None:
@@ -225,12 +227,12 @@ class _ScheduleRewriter:
         self.update_nodes = self._update_nodes_by_param()
         rates_start = (self.layout.num_params + self.layout.num_buffers + len(self.layout.state_inputs)
                        + self.layout.num_user_inputs)
-        self.rate_inputs = self.placeholders[rates_start : rates_start + self.layout.num_lr_inputs]
+        self.hyper_inputs = self.placeholders[rates_start : rates_start + self.layout.num_hyper_inputs]
         # each learning-rate input's ``.item()`` read, which the optimizer's scalar arithmetic starts from
-        self.rate_reads = {n.args[0]: n for n in nodes
+        self.hyper_reads = {n.args[0]: n for n in nodes
                            if n.op == "call_function" and n.target == aten._local_scalar_dense.default
-                           and n.args[0] in self.rate_inputs}
-        self._carried_rate_params: set[int] = set()  # updates moved here from the previous call: its rates
+                           and n.args[0] in self.hyper_inputs}
+        self._carried_hyper_params: set[int] = set()  # updates moved here from the previous call: its values
         self._moved: set[fx.Node] = set()
         self.apply_mode: dict[int, str] = {}
         for item in items:
@@ -400,7 +402,7 @@ class _ScheduleRewriter:
             self._this_step(carried)
         self._from_previous_calls(carried)
         applied = self._assemble_and_rewire()
-        self._read_carried_rates(carried, applied)
+        self._read_carried_hyperparameters(carried, applied)
         self._rebuild_output(applied)
         if self.flush:
             self._prune_to_flush()
@@ -414,14 +416,14 @@ class _ScheduleRewriter:
             if phase.accumulated_in:
                 keys.append(accumulator_key(item.id))
         if any(item.apply == APPLY_NEXT_FORWARD and self.phases[item.id].pending_in for item in self.items):
-            keys += [learning_rate_key(g) for g in range(len(self.rate_inputs))]
+            keys += [hyperparameter_carry_key(g) for g in range(len(self.hyper_inputs))]
         nodes = {}
         with self.graph.inserting_after(self.placeholders[-1]):
             # inserting_after places each new node right after the anchor, so add in reverse.
             for key in reversed(keys):
                 nodes[key] = self.graph.placeholder(key.replace(":", "_"))
-                if key.startswith("lr:"):
-                    nodes[key].meta.update(self.rate_inputs[int(key.split(":")[1])].meta)
+                if key.startswith("hp:"):
+                    nodes[key].meta.update(self.hyper_inputs[int(key.split(":")[1])].meta)
         self.layout.carry_inputs = keys
         return nodes
 
@@ -487,7 +489,7 @@ class _ScheduleRewriter:
             last_anchor[item.group_name], last_emitted[item.group_name] = anchor, insert_at.prev
             if item.apply == APPLY_NEXT_FORWARD:
                 self._carry_out[pending_key(item.id)] = reduced
-                self._carry_rates_out()
+                self._carry_hyperparameters_out()
                 continue
             point = self._first_update(item.params)
             with self.graph.inserting_before(point):
@@ -564,7 +566,7 @@ class _ScheduleRewriter:
                     with self.graph.inserting_before(point):
                         averaged = self._from_wire(self.graph.call_function(WAIT, (pending,)), item)
                     self._collect(item, averaged, point, move=not self.flush)
-                    self._carried_rate_params.update(item.params)
+                    self._carried_hyper_params.update(item.params)
                     continue
                 with self.graph.inserting_before(self._carried_launch_point(item)):
                     # The carried local gradient is this item's own tensor (made by the previous call).
@@ -582,32 +584,32 @@ class _ScheduleRewriter:
                     averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item)
                 self._collect(item, averaged, point, move=False)
 
-    def _carry_rates_out(self) -> None:
-        """This call's learning rates, for the updates its next-forward items leave to the next call."""
-        if learning_rate_key(0) in self._carry_out or not self.rate_inputs:
+    def _carry_hyperparameters_out(self) -> None:
+        """This call's hyper-parameter inputs, for the updates its next-forward items leave to the next call."""
+        if hyperparameter_carry_key(0) in self._carry_out or not self.hyper_inputs:
             return
         with self.graph.inserting_before(self.first_compute):
-            for g, rate in enumerate(self.rate_inputs):
-                self._carry_out[learning_rate_key(g)] = self.graph.call_function(aten.clone.default, (rate,))
+            for g, rate in enumerate(self.hyper_inputs):
+                self._carry_out[hyperparameter_carry_key(g)] = self.graph.call_function(aten.clone.default, (rate,))
 
-    def _read_carried_rates(self, carried: dict[str, fx.Node], applied: dict[int, fx.Node]) -> None:
-        """Make the updates moved here from the previous call read that call's learning rates (its step's).
+    def _read_carried_hyperparameters(self, carried: dict[str, fx.Node], applied: dict[int, fx.Node]) -> None:
+        """Make the updates moved here from the previous call read that call's hyper-parameters (its step's).
         Their scalar arithmetic is their own (the single-tensor optimizers compute it per parameter); a node that
-        reads a rate for both a moved update and one of this step's would need both rates, and is refused."""
-        if not self._carried_rate_params or not self.rate_reads:
+        reads a value for both a moved update and one of this step's would need both values, and is refused."""
+        if not self._carried_hyper_params or not self.hyper_reads:
             return
-        moved = {node for p in self._carried_rate_params for node in self.update_nodes.get(p, [])}
-        own = {node for p in applied if p not in self._carried_rate_params for node in self.update_nodes.get(p, [])}
-        reads = set(self.rate_reads.values())
+        moved = {node for p in self._carried_hyper_params for node in self.update_nodes.get(p, [])}
+        own = {node for p in applied if p not in self._carried_hyper_params for node in self.update_nodes.get(p, [])}
+        reads = set(self.hyper_reads.values())
         shared = [node for node in moved & own if reads & set(node.all_input_nodes)]
         if shared:
-            raise ValueError(f"{shared[0]} reads the learning rate for the updates of two different steps")
+            raise ValueError(f"{shared[0]} reads a hyper-parameter for the updates of two different steps")
         replacement = {}
         with self.graph.inserting_before(self.first_compute):
-            for g, rate in enumerate(self.rate_inputs):
-                read = self.rate_reads.get(rate)
+            for g, rate in enumerate(self.hyper_inputs):
+                read = self.hyper_reads.get(rate)
                 if read is not None:
-                    replacement[read] = self.graph.call_function(read.target, (carried[learning_rate_key(g)],))
+                    replacement[read] = self.graph.call_function(read.target, (carried[hyperparameter_carry_key(g)],))
                     replacement[read].meta.update(read.meta)
         for node in moved:
             for read, carried_read in replacement.items():

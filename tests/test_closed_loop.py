@@ -286,7 +286,7 @@ def test_steps_that_ran_a_graph_cold_are_left_out_of_a_plans_time():
     assert plan_step_ms(cycles, 4, marks) == 20.0  # the first cycle, which compiled, is left out
 
 
-def test_the_runtime_marks_steps_that_compile_for_the_closed_loop():
+def test_the_runtime_marks_steps_that_compile_with_inductor_for_the_closed_loop():
     """One process, Inductor: the first step compiles its regions, the second the updates that read the momentum
     buffer the first created; both are cold runs, the third compiles nothing and is not. (SGD with dampening: its
     first update's buffer is not a zero buffer's, so the state is left to that update, ``initialize_state``.)"""

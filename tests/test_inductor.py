@@ -23,6 +23,7 @@ from deft_compile import DeftConfig, deft_compile
 from deft_compile.passes.scalars import tensorize_item_reads
 from deft_compile.step import lowering
 from deft_compile.step.capture import capture_step
+from deft_compile.step.optim_support import hyperparameter_inputs
 from deft_compile.tools.launcher import run_local_workers
 from default_route_workers import delayed_beside_compile, with_yardstick
 from inductor_workers import inductor_vs_ddp
@@ -58,8 +59,8 @@ def test_compiler_option_and_environment(monkeypatch):
 
 
 def test_item_reads_become_tensor_arithmetic():
-    """AdamW's lr enters as a 0-dim float64 input read with .item(); after the pass no .item() is left
-    and the graph computes the same update (to float32 round-off: alpha= becomes a separate multiply)."""
+    """AdamW's lr and weight decay enter as 0-dim float64 inputs read with .item(); after the pass no .item() is
+    left and the graph computes the same update (to float32 round-off: alpha= becomes a separate multiply)."""
     model = _mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     x, y = _batches(1)[0]
@@ -73,7 +74,7 @@ def test_item_reads_become_tensor_arithmetic():
     for gm in (captured.graph_module, tensorized):
         params = [p.detach().clone() for p in model.parameters()]
         with torch.no_grad():
-            gm(*params, x, y, torch.tensor(0.01, dtype=torch.float64))
+            gm(*params, x, y, *hyperparameter_inputs(optimizer))
         results.append(params)
     for a, b in zip(*results):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)

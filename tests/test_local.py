@@ -101,6 +101,69 @@ def test_a_per_step_lr_schedule_matches_eager_without_retracing(make_optimizer, 
     assert new_traces == (0 if lr_is_input else 4), traces
 
 
+@pytest.mark.parametrize(
+    "make_optimizer, slots",
+    [
+        (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.01),
+         [(0, "lr"), (0, "momentum"), (0, "weight_decay"), (1, "lr"), (1, "momentum")]),
+        (lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),
+         [(0, "lr"), (0, "weight_decay"), (1, "lr"), (1, "weight_decay")]),
+        (lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.1),
+         [(0, "lr"), (0, "weight_decay"), (1, "lr")]),
+        (lambda groups: torch.optim.RMSprop(groups, lr=1e-3, momentum=0.5),
+         [(0, "lr"), (0, "alpha"), (0, "eps"), (0, "momentum"), (1, "lr"), (1, "alpha"), (1, "eps"), (1, "momentum")]),
+        (lambda groups: torch.optim.Adagrad(groups, lr=1e-2), []),
+    ],
+    ids=["sgd", "adamw", "adam", "rmsprop", "adagrad"],
+)
+def test_hyperparameters_are_graph_inputs_where_their_value_decides_no_branch(make_optimizer, slots):
+    """The second group has no weight decay. A weight decay, momentum or dampening of 0 decides a branch of the
+    update (no decay term): a constant, except AdamW's decoupled decay, whose branch at 0 multiplies by exactly 1.
+    The graph takes the others as 0-dim float64 inputs, in group order, with the groups' values."""
+    from deft_compile.step.optim_support import hyperparameter_inputs, hyperparameter_slots
+
+    model = DropoutMLP()
+    params = list(model.parameters())
+    optimizer = make_optimizer([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}])
+    assert hyperparameter_slots(optimizer) == slots
+    values = hyperparameter_inputs(optimizer)
+    assert all(v.dtype == torch.float64 and v.dim() == 0 for v in values)
+    assert [v.item() for v in values] == [float(optimizer.param_groups[g][name]) for g, name in slots]
+    step = deft_compile(model, optimizer, F.cross_entropy)
+    step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    assert step.runner.last_graph.layout.hyper_inputs == slots
+
+
+def test_groups_that_differ_in_input_hyperparameters_train_as_eager_and_a_change_of_them_applies():
+    """SGD in two groups that differ in momentum and weight decay: bit-identical to eager on the aten route; the
+    first group's weight decay then changes, and the next step applies it (another capture: the values are part of
+    the capture key, so a compensated plan's constants follow them too)."""
+    torch.manual_seed(0)
+    eager, compiled = DropoutMLP(), DropoutMLP()
+    compiled.load_state_dict(eager.state_dict())
+    eager.eval(), compiled.eval()
+
+    def make(model):
+        params = list(model.parameters())
+        return torch.optim.SGD([{"params": params[:2], "momentum": 0.9, "weight_decay": 0.01},
+                                {"params": params[2:], "momentum": 0.5, "weight_decay": 0.001}], lr=0.1)
+
+    opt_e, opt_c = make(eager), make(compiled)
+    step = deft_compile(compiled, opt_c, F.cross_entropy)
+    g = torch.Generator().manual_seed(1)
+    for index in range(5):
+        if index == 3:
+            for opt in (opt_e, opt_c):
+                opt.param_groups[0]["weight_decay"] = 0.05
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt_e.zero_grad()
+        F.cross_entropy(eager(x), y).backward()
+        opt_e.step()
+        step(x, y)
+        for a, b in zip(eager.parameters(), compiled.parameters()):
+            assert torch.equal(a, b), index
+
+
 def test_train_and_eval_modes_get_their_own_graphs():
     torch.manual_seed(0)
     model = DropoutMLP()
@@ -171,3 +234,24 @@ def test_deft_dump_environment_variable_writes_every_pass(tmp_path, monkeypatch)
     last = sorted(f for f in files if f.endswith(".py"))[-1]
     assert "torch.ops.deft.gradient" not in (tmp_path / "graph_00" / last).read_text()
     assert "torch.ops.deft.gradient" in (tmp_path / "graph_00" / "00_captured.py").read_text()
+
+
+def test_a_step_state_of_the_earlier_format_carries_its_learning_rates_as_hyperparameter_inputs():
+    """A step state saved while updates were moved into the next call carries each group's learning rate as
+    ``lr:<group>``; loaded now, each becomes its slot's ``hp:<index>`` carry, and the other inputs (constants of the
+    earlier graphs) carry the groups' present values."""
+    from deft_compile.step.runner import carried_hyperparameters
+
+    model = DropoutMLP()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD([{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:], "lr": 0.05}],
+                                lr=0.1, momentum=0.9)
+    pending = torch.randn(4)
+    earlier = {"pending:3": pending, "lr:0": torch.tensor(0.2, dtype=torch.float64),
+               "lr:1": torch.tensor(0.07, dtype=torch.float64)}
+    carry = carried_hyperparameters(earlier, optimizer)
+    assert carry["pending:3"] is pending
+    assert {k: v.item() for k, v in carry.items() if k.startswith("hp:")} == {
+        "hp:0": 0.2, "hp:1": 0.9, "hp:2": 0.01, "hp:3": 0.07, "hp:4": 0.9}
+    assert not any(key.startswith("lr:") for key in carry)
+    assert carried_hyperparameters({"pending:3": pending}, optimizer) == {"pending:3": pending}

@@ -7,7 +7,7 @@ import torch
 
 from deft_compile.step.profiler import measure_node_times
 from deft_compile.step.capture import split_user_inputs
-from deft_compile.step.optim_support import lr_inputs
+from deft_compile.step.optim_support import hyperparameter_inputs
 from models import captured_batchnorm_cnn
 
 
@@ -15,7 +15,7 @@ def _captured_and_inputs():
     captured, optimizer, batch = captured_batchnorm_cnn()
     user_tensors, _, _ = split_user_inputs(batch, {})
     state = captured.model_state
-    return captured, [*state.params, *state.buffers, *user_tensors, *lr_inputs(optimizer)]
+    return captured, [*state.params, *state.buffers, *user_tensors, *hyperparameter_inputs(optimizer)]
 
 
 def test_the_live_model_and_random_state_are_untouched():

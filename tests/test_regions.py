@@ -165,9 +165,9 @@ def test_the_program_computes_what_the_graph_computes():
     gm, _, _ = _rewritten(captured, "wfbp", first_bucket_bytes=1 << 30, bucket_cap_bytes=1 << 30)
     gm = compile_captured(captured.copy_for_passes(), [], None, DeftConfig(), GraphDumper(None)).graph_module
     params = [p.detach().clone() for p in model.parameters()]
-    from deft_compile.step.optim_support import lr_inputs
+    from deft_compile.step.optim_support import hyperparameter_inputs
 
-    inputs = [*params, *batch, *lr_inputs(optimizer)]
+    inputs = [*params, *batch, *hyperparameter_inputs(optimizer)]
     twin = [t.clone() for t in inputs]
     with torch.no_grad():
         expected = gm(*inputs)

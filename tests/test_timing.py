@@ -54,11 +54,11 @@ def test_the_profiler_brackets_every_node_behind_a_device_sleep():
     """On a device the profiler queues each node's kernels behind a short device sleep (and a run behind a longer
     one), brackets them with events and reads the events after the run: every timed node gets a time."""
     from deft_compile.step.profiler import measure_node_times
-    from deft_compile.step.optim_support import lr_inputs
+    from deft_compile.step.optim_support import hyperparameter_inputs
     from models import captured_batchnorm_cnn
 
     captured, optimizer, batch = captured_batchnorm_cnn()
-    inputs = [*captured.model_state.params, *captured.model_state.buffers, *batch, *lr_inputs(optimizer)]
+    inputs = [*captured.model_state.params, *captured.model_state.buffers, *batch, *hyperparameter_inputs(optimizer)]
     sleeps: list[float] = []
     syncs: list[int] = []
     HostEvent.reads = []

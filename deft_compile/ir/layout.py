@@ -12,11 +12,11 @@ class GraphLayout:
     """What each graph input and output is, in order.
 
     Inputs: parameters, buffers, optimizer-state tensors (``state_inputs``),
-    ``num_user_inputs`` user tensors, ``num_lr_inputs`` learning rates (one
-    0-dim float64 tensor per param group, or none), ``num_scaler_inputs`` loss-scaler
-    tensors (none, or the scale and its growth tracker), then carries
-    (``carry_inputs``: keys such as ``pending:3`` or ``acc:3``, and ``lr:0`` per param group: the learning
-    rates of the previous call, for the updates it moved into this one).
+    ``num_user_inputs`` user tensors, the hyper-parameters (``hyper_inputs``: (param group, name) of
+    each 0-dim float64 input, ``optim_support.hyperparameter_slots``; none where the optimizer's are constants),
+    ``num_scaler_inputs`` loss-scaler tensors (none, or the scale and its growth tracker), then carries
+    (``carry_inputs``: keys such as ``pending:3`` or ``acc:3``, and ``hp:0`` per hyper-parameter input: its value
+    in the previous call, for the updates that call moved into this one).
     Outputs: the loss (unless ``has_loss`` is false), new optimizer-state
     tensors (``state_outputs``), the applied gradients (``gradient_outputs``,
     parameter indices), then carries (``carry_outputs``, keys; those starting with
@@ -29,11 +29,15 @@ class GraphLayout:
     num_user_inputs: int
     state_outputs: list[tuple[int, str]]
     gradient_outputs: list[int]
-    num_lr_inputs: int = 0
+    hyper_inputs: list[tuple[int, str]] = field(default_factory=list)
     num_scaler_inputs: int = 0
     carry_inputs: list[str] = field(default_factory=list)
     carry_outputs: list[str] = field(default_factory=list)
     has_loss: bool = True
+
+    @property
+    def num_hyper_inputs(self) -> int:
+        return len(self.hyper_inputs)
 
 
 def layout_of(gm: fx.GraphModule) -> GraphLayout:

@@ -39,7 +39,8 @@ from deft_compile.ir import ops
 from deft_compile.errors import LossError, TraceError
 from deft_compile.outputs import loss_of
 from deft_compile.ir.layout import GraphLayout
-from deft_compile.step.optim_support import lr_inputs, traceable_optimizer
+from deft_compile.step.optim_support import (hyperparameter_inputs, hyperparameter_slots, traceable_optimizer,
+                                              traced_hyperparameters)
 from deft_compile.step.recompute_check import check_no_random_after_forward
 from deft_compile.step.symbolic import SymbolicShapes
 
@@ -201,8 +202,9 @@ def capture_step(
     _check_param_groups(optimizer, index_of)
     user_tensors, user_constants, user_spec = split_user_inputs(args, kwargs)
     num_params, num_buffers, num_states = len(model_state.params), len(model_state.buffers), len(state_inputs)
-    learning_rates = lr_inputs(optimizer)
-    num_user, num_lr = len(user_tensors), len(learning_rates)
+    hyper_slots = hyperparameter_slots(optimizer)
+    hyper_values = hyperparameter_inputs(optimizer, hyper_slots)
+    num_user, num_lr = len(user_tensors), len(hyper_values)
     state_outputs: list[StateSlot] = []
     gradient_outputs: list[int] = []
     extra_state: dict[int, dict[str, Any]] = {}
@@ -215,9 +217,9 @@ def capture_step(
         user_start = num_params + num_buffers + num_states
         user = list(flat[user_start : user_start + num_user])
         lr_end = user_start + num_user + num_lr
-        # each group's lr as a symbolic float read from its graph input: derived values (AdamW's
-        # 1 - lr * wd, Adam's lr / bias_correction) are computed in the graph, not baked in
-        rates = [rate.item() for rate in flat[user_start + num_user : lr_end]]
+        # each group's lr and other hyper-parameters as symbolic floats read from their graph inputs: derived values
+        # (AdamW's 1 - lr * wd, Adam's lr / bias_correction) are computed in the graph, not baked in
+        rates = traced_hyperparameters(hyper_slots, [rate.item() for rate in flat[user_start + num_user : lr_end]])
         scale = flat[lr_end] if scale_loss else None
         call_args, call_kwargs = join_user_inputs(user, user_constants, user_spec)
         tensors = dict(zip(model_state.param_names, params))
@@ -244,7 +246,7 @@ def capture_step(
                 gradients.append(p.grad)
         return (loss.detach(), *new_state, *gradients)
 
-    example, symbolic = _examples(model_state, optimizer, state_inputs, user_tensors, learning_rates, scale_loss,
+    example, symbolic = _examples(model_state, optimizer, state_inputs, user_tensors, hyper_values, scale_loss,
                                   dynamic_dims)
     graph_module = _trace(step, example, tracker, symbolic=symbolic is not None)
     if symbolic is not None:
@@ -257,7 +259,7 @@ def capture_step(
         num_buffers=num_buffers,
         state_inputs=list(state_inputs),
         num_user_inputs=len(user_tensors),
-        num_lr_inputs=len(learning_rates),
+        hyper_inputs=list(hyper_slots),
         num_scaler_inputs=2 if scale_loss else 0,
         state_outputs=list(state_outputs),
         gradient_outputs=list(gradient_outputs),
@@ -278,7 +280,7 @@ def capture_step(
 
 
 def _examples(model_state: ModelState, optimizer: torch.optim.Optimizer, state_inputs: list[StateSlot],
-              user_tensors: list[torch.Tensor], learning_rates: list[torch.Tensor], scale_loss: bool,
+              user_tensors: list[torch.Tensor], hyper_values: list[torch.Tensor], scale_loss: bool,
               dynamic_dims: frozenset[tuple[int, int]]) -> tuple[list[Any], SymbolicShapes | None]:
     """The trace's example inputs in graph-input order, as fake tensors of a shape environment with
     ``dynamic_dims`` symbolic when there are any (and that environment), else the live tensors (and None)."""
@@ -287,7 +289,7 @@ def _examples(model_state: ModelState, optimizer: torch.optim.Optimizer, state_i
     example += [optimizer.state[model_state.params[i]][key] for i, key in state_inputs]
     user_start = len(example)
     example += list(user_tensors)
-    example += learning_rates
+    example += hyper_values
     if scale_loss:  # values do not matter: fake tracing; the runtime passes the live scale and tracker
         example += [torch.ones((), dtype=torch.float32), torch.zeros((), dtype=torch.int32)]
     if not dynamic_dims:

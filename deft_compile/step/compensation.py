@@ -16,7 +16,7 @@ import torch
 from deft_compile.errors import DeftError
 from deft_compile.passes.compensation import Compensation
 from deft_compile.passes.schedule import APPLY_NEXT_UPDATE, ScheduledItem
-from deft_compile.step.optim_support import lr_is_input
+from deft_compile.step.optim_support import hyperparameter_slots
 
 
 def compensation_family(optimizer: torch.optim.Optimizer) -> str | None:
@@ -60,7 +60,7 @@ def compensation_for(items: Sequence[ScheduledItem], optimizer: torch.optim.Opti
     family = family_of(optimizer)
     delayed = {s.param for item in items if item.apply == APPLY_NEXT_UPDATE for s in item.slices}
     group_of = {p: g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    rate_is_input = lr_is_input(optimizer)
+    rate_input = {g: i for i, (g, name) in enumerate(hyperparameter_slots(optimizer)) if name == "lr"}
     momentum, betas, eps, lr_input, lr = {}, {}, {}, {}, {}
     for index in delayed:
         g = group_of[params[index]]
@@ -70,8 +70,8 @@ def compensation_for(items: Sequence[ScheduledItem], optimizer: torch.optim.Opti
         else:
             betas[index] = (float(group["betas"][0]), float(group["betas"][1]))
             eps[index] = float(group["eps"])
-        if rate_is_input:
-            lr_input[index] = g
+        if g in rate_input:
+            lr_input[index] = rate_input[g]
         else:
             lr[index] = float(group["lr"])
     return Compensation(params=frozenset(delayed), family=family, momentum=momentum, betas=betas, eps=eps,

@@ -82,18 +82,81 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def lr_is_input(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the captured step takes each param group's learning rate as an input."""
+    """Whether the captured step takes each param group's learning rate (and ``VALUE_INPUTS``) as inputs."""
     return type(optimizer) in LR_INPUT_OPTIMIZERS
 
 
-def lr_inputs(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The learning-rate inputs of a captured step: one 0-dim float64 tensor per param group (exact; for Adam and
-    AdamW a zero learning rate is ``ZERO_LR_STANDIN``)."""
+#: the hyper-parameters besides the learning rate that enter the graph as inputs, per optimizer with an lr input.
+#: The update's arithmetic reads them from 0-dim float64 inputs, like the rate, so its compiled code holds no value
+#: of them and param groups that differ only in them share one compile (``step/flat_updates.py``).
+#: - Those in ``BRANCHING`` decide which ops the update runs (``if weight_decay != 0``, ``if momentum > 0``): an input
+#:   where not 0, a constant 0 otherwise (the branch not taken), so their zero-ness stays part of the graph's
+#:   structure. Taking the branch at 0 would not be exact where the term is added: ``g + 0 · w`` is NaN at an
+#:   infinite weight, where eager adds nothing.
+#: - AdamW's decoupled decay is always an input, its branch always taken: ``w · (1 − lr · 0)`` multiplies by exactly
+#:   1, so the no-decay group (biases, norms) shares the decayed group's compile, as transformers' two groups do.
+#: - Adam's and AdamW's betas and eps stay constants: with a constant β the compiled bias correction 1 − β^t keeps
+#:   double precision, while a float64 input's power is taken in the step counter's float32 (1 − β2^t loses 1e-5 of
+#:   itself at β2 = 0.999, t = 1).
+VALUE_INPUTS: dict[type, tuple[str, ...]] = {
+    torch.optim.SGD: ("momentum", "dampening", "weight_decay"),
+    torch.optim.Adam: ("weight_decay",),
+    torch.optim.AdamW: ("weight_decay",),
+    torch.optim.RMSprop: ("alpha", "eps", "weight_decay", "momentum"),
+}
+BRANCHING = frozenset({"momentum", "dampening", "weight_decay"})
+#: (optimizer, name) of the branching inputs that stay inputs at 0, their branch taken (exact there)
+_ALWAYS_INPUT = frozenset({(torch.optim.AdamW, "weight_decay")})
+
+HyperSlot = tuple[int, str]  # (param group, name): "lr", "weight_decay", ...
+
+
+def hyperparameter_slots(optimizer: torch.optim.Optimizer) -> list[HyperSlot]:
+    """The hyper-parameter inputs of a captured step, in graph-input order: per param group its learning rate, then
+    its ``VALUE_INPUTS`` (a ``BRANCHING`` one only where it is not 0, AdamW's weight decay always). None for an
+    optimizer whose rate is a constant (``lr_is_input``)."""
     if not lr_is_input(optimizer):
         return []
-    standin = isinstance(optimizer, _DIVIDES_BY_LR)
-    return [torch.tensor(ZERO_LR_STANDIN if standin and float(group["lr"]) == 0.0 else float(group["lr"]),
-                         dtype=torch.float64) for group in optimizer.param_groups]
+    slots: list[HyperSlot] = []
+    for g, group in enumerate(optimizer.param_groups):
+        slots.append((g, "lr"))
+        for name in VALUE_INPUTS[type(optimizer)]:
+            if name not in BRANCHING or float(group[name]) != 0.0 or (type(optimizer), name) in _ALWAYS_INPUT:
+                slots.append((g, name))
+    return slots
+
+
+def hyperparameter_value(optimizer: torch.optim.Optimizer, slot: HyperSlot) -> float:
+    """The value of one hyper-parameter input, as the graph reads it (for Adam and AdamW a zero learning rate is
+    ``ZERO_LR_STANDIN``)."""
+    group, name = optimizer.param_groups[slot[0]], slot[1]
+    value = float(group[name])
+    if name == "lr" and value == 0.0 and isinstance(optimizer, _DIVIDES_BY_LR):
+        return ZERO_LR_STANDIN
+    return value
+
+
+def hyperparameter_inputs(optimizer: torch.optim.Optimizer, slots: list[HyperSlot] | None = None) -> list[torch.Tensor]:
+    """The hyper-parameter inputs of a captured step (``slots``: its ``GraphLayout.hyper_inputs``; by default the
+    optimizer's ``hyperparameter_slots`` now): one 0-dim float64 tensor each, exact."""
+    if slots is None:
+        slots = hyperparameter_slots(optimizer)
+    return [torch.tensor(hyperparameter_value(optimizer, slot), dtype=torch.float64) for slot in slots]
+
+
+def traced_hyperparameters(slots: list[HyperSlot], values: list[Any]) -> list[dict[str, Any]]:
+    """Per param group, the values the traced update reads in place of the group's (symbolic floats read from the
+    inputs): a ``BRANCHING`` one is declared not 0 (``torch._check``), so the update's branch on it is taken: as the
+    group's value would take it, or at 0 where taking it is exact (``_ALWAYS_INPUT``). The declaration is the
+    trace's alone: no check of it runs in the graph."""
+    groups: dict[int, dict[str, Any]] = {}
+    for (g, name), value in zip(slots, values):
+        if name in BRANCHING:
+            torch._check(value != 0)
+            if name == "momentum":  # RMSprop branches on momentum > 0; the constructors refuse a negative one
+                torch._check(value > 0)
+        groups.setdefault(g, {})[name] = value
+    return [groups[g] for g in sorted(groups)]
 
 
 def hyperparameter_key(optimizer: torch.optim.Optimizer) -> tuple:
@@ -125,7 +188,7 @@ def traceable_optimizer(
     params: list[torch.Tensor],
     param_index: dict[torch.Tensor, int],
     state: dict[int, dict[str, Any]],
-    learning_rates: list[Any] | None = None,
+    hyperparameters: list[dict[str, Any]] | None = None,
 ) -> Iterator[dict[torch.Tensor, dict[str, Any]]]:
     """Point ``optimizer`` at traced tensors for the duration of a trace.
 
@@ -133,9 +196,9 @@ def traceable_optimizer(
     capture's order; ``param_index`` maps each live parameter to its position;
     ``state`` holds, per position, the optimizer state to start from. Yields the
     state dict keyed by the traced tensors, which the optimizer fills in place.
-    ``learning_rates`` (one per group, e.g. symbolic floats read from graph
-    inputs) replace the groups' ``lr``. Everything is restored afterwards, even
-    when tracing fails.
+    ``hyperparameters`` (per group, the values that replace the group's:
+    symbolic floats read from graph inputs, ``traced_hyperparameters``) replace
+    the groups' values. Everything is restored afterwards, even when tracing fails.
     """
     saved_groups = [dict(group) for group in optimizer.param_groups]
     saved_state = optimizer.state
@@ -148,8 +211,8 @@ def traceable_optimizer(
                     group[key] = value
             if isinstance(optimizer, _CAPTURABLE_OPTIMIZERS):
                 group["capturable"] = True
-        for group, lr in zip(optimizer.param_groups, learning_rates or []):
-            group["lr"] = lr
+        for group, values in zip(optimizer.param_groups, hyperparameters or []):
+            group.update(values)
         for index, entries in state.items():
             traced_state[params[index]] = dict(entries)
         optimizer.state = traced_state

@@ -423,7 +423,7 @@ def profile_model(
     building a profile by hand or from another machine's numbers.
     """
     from deft_compile.step.capture import capture_step, split_user_inputs
-    from deft_compile.step.optim_support import lr_inputs
+    from deft_compile.step.optim_support import hyperparameter_inputs
     from deft_compile.step.pipeline import annotate_capture
 
     kwargs = kwargs or {}
@@ -441,6 +441,6 @@ def profile_model(
         user_tensors, _, _ = split_user_inputs(args, kwargs)
         params = captured.model_state.params
         state = [optimizer.state[params[i]][key] for i, key in state_slots]
-        inputs = [*params, *captured.model_state.buffers, *state, *user_tensors, *lr_inputs(optimizer)]
+        inputs = [*params, *captured.model_state.buffers, *state, *user_tensors, *hyperparameter_inputs(optimizer)]
         timings = attribute_times(annotation, index, measure_node_times(captured, inputs, warmup=warmup, repeats=repeats))
     return static_profile(captured, index, list(links) or [LinkCost("local", 0.0, 0.0)], world_size, timings)

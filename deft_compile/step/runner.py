@@ -22,7 +22,8 @@ from deft_compile.config import DeftConfig
 from deft_compile.debug.artifacts import MeasuredTimelineRecorder, measured_step_index, plan_cycle
 from deft_compile.errors import DeftError
 from deft_compile.passes.gradient_guards import FOUND_INF_KEY, GRAD_NORM_KEY
-from deft_compile.passes.schedule import ItemPhase, ScheduledItem, accumulator_key, item_of_key, pending_key
+from deft_compile.passes.schedule import (ItemPhase, ScheduledItem, accumulator_key, hyperparameter_carry_key, item_of_key,
+                                         pending_key)
 from deft_compile.planner.plan import Plan
 from deft_compile.step.capture import CapturedStep, split_user_inputs
 from deft_compile.step.distributed import average_parameters_and_state, diagnose_peer_failure
@@ -30,7 +31,7 @@ from deft_compile.step.graph_cache import GraphCache
 from deft_compile.step.groups import StepGroups
 from deft_compile.step.loss_scaling import LossScaler
 from deft_compile.step.lowering import StepLowering
-from deft_compile.step.optim_support import lr_inputs
+from deft_compile.step.optim_support import hyperparameter_inputs, hyperparameter_slots
 from deft_compile.step.pipeline import CommGroup, CompiledGraph
 
 
@@ -176,7 +177,7 @@ class StepRunner:
         params = captured.model_state.params
         state = [self.optimizer.state[params[index]][key] for index, key in layout.state_inputs]
         carry = [self.carry[key] for key in layout.carry_inputs]
-        rates = lr_inputs(self.optimizer)[: layout.num_lr_inputs]
+        rates = hyperparameter_inputs(self.optimizer, layout.hyper_inputs)
         scaler = self.loss_scaler.inputs()[: layout.num_scaler_inputs] if self.loss_scaler is not None else []
         return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *rates,
                 *scaler, *carry]
@@ -232,3 +233,16 @@ def _looks_like_collective_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
+def carried_hyperparameters(carry: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``carry`` with the learning rates an earlier format carried per param group (``lr:<group>``) as this format's
+    hyper-parameter carries (``hp:<index>``, ``optim_support.hyperparameter_slots``): a group's rate where it had
+    one, the group's present value for the others (the earlier format had none: they were constants of the graph)."""
+    if not any(key.startswith("lr:") for key in carry):
+        return carry
+    converted = {key: value for key, value in carry.items() if not key.startswith("lr:")}
+    slots = hyperparameter_slots(optimizer)
+    for index, (value, (group, name)) in enumerate(zip(hyperparameter_inputs(optimizer, slots), slots)):
+        converted[hyperparameter_carry_key(index)] = carry.get(f"lr:{group}", value) if name == "lr" else value
+    return converted

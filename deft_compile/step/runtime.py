@@ -43,7 +43,7 @@ from deft_compile.step.optim_support import check_optimizer
 from deft_compile.step.pipeline import CommGroup, CompiledGraph
 from deft_compile.step.planning import StepPlanning
 from deft_compile.step.policy_runtime import PolicyRuntime, runtime_for
-from deft_compile.step.runner import StepRunner
+from deft_compile.step.runner import StepRunner, carried_hyperparameters
 from deft_compile.step.step_timer import StepTimer
 from deft_compile.timing import clock_for
 
@@ -341,8 +341,10 @@ class CompiledStep:
             raise DeftError(f"state was saved with policy {state['policy']!r}, this step uses {self.policy!r}")
         self.runner.step_count = int(state["step_count"])
         self.planning.load_plan(state)
-        self.runner.carry = {str(k): v.clone() for k, v in state["pending"].items()}
+        self.runner.carry = carried_hyperparameters({str(k): v.clone() for k, v in state["pending"].items()},
+                                                    self.runner.optimizer)
         self.runner.accumulated = {int(k): int(v) for k, v in state.get("accumulated", {}).items()}
         if state.get("loss_scaler") is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.planning.load_preserver(state.get("preserver"))
+
