@@ -160,12 +160,16 @@ def traced_hyperparameters(slots: list[HyperSlot], values: list[Any]) -> list[di
 
 
 def hyperparameter_key(optimizer: torch.optim.Optimizer) -> tuple:
-    """A hashable fingerprint of every group's hyper-parameters that are graph constants.
+    """A hashable fingerprint of every group's hyper-parameters but the learning rate.
 
-    Those are baked into the graph, so a change must select or build another
+    Constants are baked into the graph, so a change must select or build another
     graph rather than reuse a stale one. The learning rate is a graph input
     where :func:`lr_is_input` says so, and then left out: an LR scheduler's
-    step reuses the graph.
+    step reuses the graph. The other ``VALUE_INPUTS`` stay in the key although
+    the graph reads them as inputs: whether a ``BRANCHING`` one is 0 decides the
+    graph's ops, and a compensated plan's rewrite reads momentum and betas as
+    constants. A change of them captures again; the compiled regions, which hold
+    no value of them, are reused.
     """
     skip = {"params", "lr"} if lr_is_input(optimizer) else {"params"}
     return tuple(
