@@ -73,8 +73,8 @@ def compensate_delayed(gm: fx.GraphModule, compensation: Compensation) -> fx.Gra
     state: dict[int, dict[str, fx.Node]] = {}
     for (index, key), node in zip(layout.state_inputs, placeholders[start: start + len(layout.state_inputs)]):
         state.setdefault(index, {})[key] = node
-    lr_start = start + len(layout.state_inputs) + layout.num_user_inputs
-    rates = placeholders[lr_start: lr_start + layout.num_hyper_inputs]
+    hyper_start = start + len(layout.state_inputs) + layout.num_user_inputs
+    hyper_inputs = placeholders[hyper_start: hyper_start + layout.num_hyper_inputs]
     markers = [n for n in nodes if n.op == "call_function" and n.target == ops.GRADIENT]
     update_start = max((order[m] for m in markers), default=len(nodes))
     for index in sorted(compensation.params):
@@ -84,7 +84,7 @@ def compensate_delayed(gm: fx.GraphModule, compensation: Compensation) -> fx.Gra
         else:
             _nesterov_adam(graph, param, order, update_start)
         if compensation.predict and state.get(index):
-            _predict(graph, param, state[index], compensation, index, rates, order, update_start)
+            _predict(graph, param, state[index], compensation, index, hyper_inputs, order, update_start)
     graph.lint()
     gm.recompile()
     return gm
@@ -142,7 +142,7 @@ def _nesterov_adam(graph: fx.Graph, param: fx.Node, order: dict, update_start: i
 
 
 def _predict(graph: fx.Graph, param: fx.Node, state: dict[str, fx.Node], compensation: Compensation, index: int,
-             rates: list[fx.Node], order: dict, update_start: int) -> None:
+             hyper_inputs: list[fx.Node], order: dict, update_start: int) -> None:
     """ŵ before the parameter's first forward use; its forward and backward reads take ŵ."""
     readers = [u for u in param.users if order.get(u, len(order)) < update_start and u.op != "output"]
     if not readers:
@@ -150,7 +150,7 @@ def _predict(graph: fx.Graph, param: fx.Node, state: dict[str, fx.Node], compens
     first = min(readers, key=order.__getitem__)
     with graph.inserting_before(first):
         if index in compensation.lr_input:
-            lr = graph.call_function(aten._local_scalar_dense.default, (rates[compensation.lr_input[index]],))
+            lr = graph.call_function(aten._local_scalar_dense.default, (hyper_inputs[compensation.lr_input[index]],))
         else:
             lr = compensation.lr[index]
         if compensation.family == "sgd":

@@ -178,7 +178,7 @@ def stats_key(item_id: int) -> str:
 
 def hyperparameter_carry_key(index: int) -> str:
     """The carried value of hyper-parameter input ``index`` (``GraphLayout.hyper_inputs``: a group's learning rate,
-    its betas, ...) for the updates moved to the next call."""
+    its weight decay, ...) for the updates moved to the next call."""
     return f"hp:{index}"
 
 
@@ -225,10 +225,10 @@ class _ScheduleRewriter:
         self.update_start = max((self.order[m] for m in self.markers.values()), default=len(nodes))
         self.first_compute = next(n for n in nodes if n.op != "placeholder")
         self.update_nodes = self._update_nodes_by_param()
-        rates_start = (self.layout.num_params + self.layout.num_buffers + len(self.layout.state_inputs)
+        hyper_start = (self.layout.num_params + self.layout.num_buffers + len(self.layout.state_inputs)
                        + self.layout.num_user_inputs)
-        self.hyper_inputs = self.placeholders[rates_start : rates_start + self.layout.num_hyper_inputs]
-        # each learning-rate input's ``.item()`` read, which the optimizer's scalar arithmetic starts from
+        self.hyper_inputs = self.placeholders[hyper_start : hyper_start + self.layout.num_hyper_inputs]
+        # each hyper-parameter input's ``.item()`` read, which the optimizer's scalar arithmetic starts from
         self.hyper_reads = {n.args[0]: n for n in nodes
                            if n.op == "call_function" and n.target == aten._local_scalar_dense.default
                            and n.args[0] in self.hyper_inputs}
@@ -416,7 +416,7 @@ class _ScheduleRewriter:
             if phase.accumulated_in:
                 keys.append(accumulator_key(item.id))
         if any(item.apply == APPLY_NEXT_FORWARD and self.phases[item.id].pending_in for item in self.items):
-            keys += [hyperparameter_carry_key(g) for g in range(len(self.hyper_inputs))]
+            keys += [hyperparameter_carry_key(i) for i in range(len(self.hyper_inputs))]
         nodes = {}
         with self.graph.inserting_after(self.placeholders[-1]):
             # inserting_after places each new node right after the anchor, so add in reverse.
@@ -589,8 +589,8 @@ class _ScheduleRewriter:
         if hyperparameter_carry_key(0) in self._carry_out or not self.hyper_inputs:
             return
         with self.graph.inserting_before(self.first_compute):
-            for g, rate in enumerate(self.hyper_inputs):
-                self._carry_out[hyperparameter_carry_key(g)] = self.graph.call_function(aten.clone.default, (rate,))
+            for index, value in enumerate(self.hyper_inputs):
+                self._carry_out[hyperparameter_carry_key(index)] = self.graph.call_function(aten.clone.default, (value,))
 
     def _read_carried_hyperparameters(self, carried: dict[str, fx.Node], applied: dict[int, fx.Node]) -> None:
         """Make the updates moved here from the previous call read that call's hyper-parameters (its step's).
@@ -606,10 +606,10 @@ class _ScheduleRewriter:
             raise ValueError(f"{shared[0]} reads a hyper-parameter for the updates of two different steps")
         replacement = {}
         with self.graph.inserting_before(self.first_compute):
-            for g, rate in enumerate(self.hyper_inputs):
-                read = self.hyper_reads.get(rate)
+            for index, value in enumerate(self.hyper_inputs):
+                read = self.hyper_reads.get(value)
                 if read is not None:
-                    replacement[read] = self.graph.call_function(read.target, (carried[hyperparameter_carry_key(g)],))
+                    replacement[read] = self.graph.call_function(read.target, (carried[hyperparameter_carry_key(index)],))
                     replacement[read].meta.update(read.meta)
         for node in moved:
             for read, carried_read in replacement.items():

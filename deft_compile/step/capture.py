@@ -181,7 +181,7 @@ def capture_step(
     the forward pass and the loss only, as in an eager loop that calls
     ``backward()`` and ``optimizer.step()`` outside the autocast region.
 
-    With ``scale_loss`` the graph takes two more inputs after the learning rates,
+    With ``scale_loss`` the graph takes two more inputs after the hyper-parameters,
     the loss scale (0-dim float32) and the scaler's growth tracker (0-dim int32):
     backward runs on ``loss * scale`` and every local gradient is multiplied by
     ``1 / scale`` right away (``GradScaler.unscale_``'s arithmetic; exact for the
@@ -204,7 +204,7 @@ def capture_step(
     num_params, num_buffers, num_states = len(model_state.params), len(model_state.buffers), len(state_inputs)
     hyper_slots = hyperparameter_slots(optimizer)
     hyper_values = hyperparameter_inputs(optimizer, hyper_slots)
-    num_user, num_lr = len(user_tensors), len(hyper_values)
+    num_user, num_hyper = len(user_tensors), len(hyper_values)
     state_outputs: list[StateSlot] = []
     gradient_outputs: list[int] = []
     extra_state: dict[int, dict[str, Any]] = {}
@@ -216,11 +216,12 @@ def capture_step(
         states = flat[num_params + num_buffers : num_params + num_buffers + num_states]
         user_start = num_params + num_buffers + num_states
         user = list(flat[user_start : user_start + num_user])
-        lr_end = user_start + num_user + num_lr
+        hyper_end = user_start + num_user + num_hyper
         # each group's lr and other hyper-parameters as symbolic floats read from their graph inputs: derived values
         # (AdamW's 1 - lr * wd, Adam's lr / bias_correction) are computed in the graph, not baked in
-        rates = traced_hyperparameters(hyper_slots, [rate.item() for rate in flat[user_start + num_user : lr_end]])
-        scale = flat[lr_end] if scale_loss else None
+        hyperparameters = traced_hyperparameters(hyper_slots,
+                                                 [value.item() for value in flat[user_start + num_user : hyper_end]])
+        scale = flat[hyper_end] if scale_loss else None
         call_args, call_kwargs = join_user_inputs(user, user_constants, user_spec)
         tensors = dict(zip(model_state.param_names, params))
         tensors.update(zip(model_state.buffer_names, buffers))
@@ -236,7 +237,7 @@ def capture_step(
         _mark_gradients(params, scale, accumulation_steps)
         initial = _initial_state(optimizer, model_state, state_inputs, states)
         state_input_ids = {id(t) for t in states}
-        with tracker.active("optimizer.step"), traceable_optimizer(optimizer, params, index_of, initial, rates) as traced:
+        with tracker.active("optimizer.step"), traceable_optimizer(optimizer, params, index_of, initial, hyperparameters) as traced:
             optimizer.step()
             new_state = _new_state(traced, params, state_input_ids, state_outputs, extra_state)
         gradients = []

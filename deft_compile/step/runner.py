@@ -31,7 +31,7 @@ from deft_compile.step.graph_cache import GraphCache
 from deft_compile.step.groups import StepGroups
 from deft_compile.step.loss_scaling import LossScaler
 from deft_compile.step.lowering import StepLowering
-from deft_compile.step.optim_support import hyperparameter_inputs, hyperparameter_slots
+from deft_compile.step.optim_support import hyperparameter_inputs, hyperparameter_slots, hyperparameter_value
 from deft_compile.step.pipeline import CommGroup, CompiledGraph
 
 
@@ -54,6 +54,7 @@ class StepRunner:
         self.last_graph: CompiledGraph | None = None  # the graph of the call being run or last run, or of a flush
         self.last_call: tuple[tuple, dict] | None = None
         self.step_count = 0
+        self._hyperparameters: tuple[tuple, list[torch.Tensor]] | None = None  # (slots and values, inputs)
         self.last_grad_norm: torch.Tensor | None = None  # total gradient norm of the latest clipped update
         self.last_update_skipped = False  # loss scaling found an inf/NaN in the latest update and skipped it
         self.last_call_updated = False  # the last call applied an optimizer update (False while accumulating)
@@ -177,10 +178,18 @@ class StepRunner:
         params = captured.model_state.params
         state = [self.optimizer.state[params[index]][key] for index, key in layout.state_inputs]
         carry = [self.carry[key] for key in layout.carry_inputs]
-        rates = hyperparameter_inputs(self.optimizer, layout.hyper_inputs)
+        hyperparameters = self._hyperparameter_inputs(layout.hyper_inputs)
         scaler = self.loss_scaler.inputs()[: layout.num_scaler_inputs] if self.loss_scaler is not None else []
-        return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *rates,
+        return [*params, *captured.model_state.buffers, *state, *user_tensors[: layout.num_user_inputs], *hyperparameters,
                 *scaler, *carry]
+
+    def _hyperparameter_inputs(self, slots: list[tuple[int, str]]) -> list[torch.Tensor]:
+        """This call's hyper-parameter inputs: the tensors of the last call while their values are unchanged (the
+        graphs only read them), new ones after a scheduler or the user changed a value."""
+        key = (tuple(slots), tuple(hyperparameter_value(self.optimizer, slot) for slot in slots))
+        if self._hyperparameters is None or self._hyperparameters[0] != key:
+            self._hyperparameters = (key, hyperparameter_inputs(self.optimizer, slots))
+        return self._hyperparameters[1]
 
     def run(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor]) -> torch.Tensor | None:
         layout = compiled.layout

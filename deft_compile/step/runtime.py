@@ -347,4 +347,3 @@ class CompiledStep:
         if state.get("loss_scaler") is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.planning.load_preserver(state.get("preserver"))
-
