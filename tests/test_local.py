@@ -50,6 +50,15 @@ def test_changed_input_shape_retraces_and_stays_exact():
     assert [r["traces"] for r in report] == [1, 1, 2, 2, 2]
 
 
+def _twin_mlps() -> tuple[DropoutMLP, DropoutMLP]:
+    """Two ``DropoutMLP`` of the same weights (seed 0), in eval mode: one for eager training, one to compile."""
+    torch.manual_seed(0)
+    eager, compiled = DropoutMLP(), DropoutMLP()
+    compiled.load_state_dict(eager.state_dict())
+    eager.eval(), compiled.eval()
+    return eager, compiled
+
+
 @pytest.mark.parametrize(
     "make_optimizer, exact, lr_is_input",
     [
@@ -65,10 +74,7 @@ def test_a_per_step_lr_schedule_matches_eager_without_retracing(make_optimizer, 
     """Two param groups with different learning rates, a scheduler stepping every step: the same numbers as
     eager, and (the lr being a graph input) one graph for the whole run; Adagrad's lr is a graph constant,
     so it retraces on each new value."""
-    torch.manual_seed(0)
-    eager, compiled = DropoutMLP(), DropoutMLP()
-    compiled.load_state_dict(eager.state_dict())
-    eager.eval(), compiled.eval()
+    eager, compiled = _twin_mlps()
 
     def groups(model):
         params = list(model.parameters())
@@ -138,10 +144,7 @@ def test_groups_that_differ_in_input_hyperparameters_train_as_eager_and_a_change
     """SGD in two groups that differ in momentum and weight decay: bit-identical to eager on the aten route; the
     first group's weight decay then changes, and the next step applies it (another capture: the values are part of
     the capture key, so a compensated plan's constants follow them too)."""
-    torch.manual_seed(0)
-    eager, compiled = DropoutMLP(), DropoutMLP()
-    compiled.load_state_dict(eager.state_dict())
-    eager.eval(), compiled.eval()
+    eager, compiled = _twin_mlps()
 
     def make(model):
         params = list(model.parameters())
