@@ -558,6 +558,48 @@ def test_a_duel_between_short_steps_gets_blocks_that_span_min_window_ms():
     assert loop.duel.block_steps == 3
 
 
+def test_a_float32_replan_keeps_the_priority_order_it_measured_fastest():
+    """Settled on US-Byte's order in float16, the Preserver keeps ``p3`` float32 and its re-plan is DDP's buckets:
+    the loop retires the plans that send ``p3`` narrowed, duels US-Byte's order rebuilt on the re-plan's wires
+    against the re-plan, and settles on the faster. One process; the ranks' agreement is the identity here."""
+    from types import SimpleNamespace
+
+    from deft_compile.planner.closed_loop import REWIRED_DUEL, narrows_kept
+    from deft_compile.step.closed_loop import ClosedLoop
+    from deft_compile.timing import Elapsed
+    from test_closed_loop_rules import kept_wire_plans
+
+    profile, buckets16, usbyte16, replan = kept_wire_plans()
+
+    class Step(SimpleNamespace):
+        def solve(self, options):
+            return solve(profile, "deft", **options)
+
+        def switch_plan(self, options, reason, plan=None, record=True):
+            self.plan, self.plan_switches = plan if plan is not None else self.solve(options), self.plan_switches + 1
+            if record:
+                self.plan_history.append({"reason": reason, "plan_hash": self.plan.hash()})
+
+    for rebuilt_ms, winner in ((80.0, "usbyte"), (120.0, "deft")):
+        step = Step(profile=profile, policy="deft", plan=usbyte16, plan_switches=0, plan_history=[], step_count=0,
+                    process_group=object())
+        loop = ClosedLoop(ClosedLoopConfig(duel_rounds=2, duel_steps=2, min_window_ms=0.0))
+        loop._agree = lambda _step, *values: list(values)
+        loop.measured = {buckets16.hash(): (buckets16, 100.0), usbyte16.hash(): (usbyte16, 85.0)}
+        loop.state, loop._sync_pick = "settled", usbyte16.hash()
+        loop.after_step(step, Elapsed(85.0))  # the loop's expectation: the running plan
+        step.switch_plan({}, "Preserver: float32 for p3", plan=replan)
+        loop.after_step(step, Elapsed(100.0))
+        assert loop.state == "duel" and loop.duel.why == REWIRED_DUEL and not loop.measured
+        rebuilt = loop.duel.plans[0]
+        assert rebuilt.policy == "usbyte" and not narrows_kept(profile, rebuilt, ["p3"])
+        while loop.state == "duel":
+            loop.after_step(step, Elapsed(rebuilt_ms if step.plan is rebuilt else 100.0))
+        assert loop.state == "settled" and step.plan.policy == winner, (rebuilt_ms, step.plan_history)
+        assert not narrows_kept(profile, step.plan, ["p3"]) and loop._sync_pick == step.plan.hash()
+        assert "won the duel of synchronous plans" in step.plan_history[-1]["reason"]
+
+
 def test_a_settled_plan_with_delays_that_slows_down_duels_again_and_goes_synchronous(outcome):
     """Injected: the plan with delays is 400 ms faster until step 40, then 400 ms slower (the host got busy).
     The loop keeps it, re-checks it every 6 steps, finds it slower than when chosen, duels again and runs the

@@ -9,6 +9,7 @@ import pathlib
 from types import SimpleNamespace
 
 from deft_compile.planner.closed_loop import (
+    REWIRED_DUEL,
     SYNCHRONOUS_DUEL,
     ClosedLoopConfig,
     Duel,
@@ -25,7 +26,10 @@ from deft_compile.planner.closed_loop import (
     fastest_synchronous,
     is_synchronous,
     measured_times,
+    narrows_kept,
     priority_schedule_for,
+    retired_by_wire,
+    synchronous_stand_in,
     trial_queue,
 )
 from deft_compile.planner.refine import refine_profile, thread_ms_of
@@ -120,6 +124,52 @@ def test_a_synchronous_replan_is_replaced_only_by_a_measured_plan_with_its_wire(
     decision = after_replan(float32_buckets, {**record, **measured((float32_priority, 85.0))}, is_synchronous,
                             "priority16", CONFIG)
     assert isinstance(decision, Settle) and decision.plan is float32_priority
+
+
+def kept_wire_plans():
+    """A profile of four 1 MB parameters, ``p0``..``p3``, and (DDP's buckets in float16, US-Byte's order in float16,
+    the Preserver's synchronous re-plan that keeps ``p3`` float32)."""
+    from deft_compile.planner.plan import LinkCost, ParamProfile, Profile
+    from deft_compile.planner.solvers.hybrid import priority_plan_with_wire, wire_by_param
+
+    profile = Profile([ParamProfile(f"p{i}", 250_000, "float32", 1.0, 1.0, 0.0, layer=3 - i) for i in range(4)],
+                      [LinkCost("l", 0.5, 1e-6)])
+    options = {"first_bucket_bytes": 1_000_000, "bucket_cap_bytes": 1_000_000, "max_staleness": 0,
+               "wire_prices": {"float16": {f"p{i}": 1e-4 for i in range(4)}}}
+    buckets16 = solve(profile, "deft", **options)
+    usbyte16 = priority_plan_with_wire(profile, "usbyte", wire_by_param(buckets16))
+    replan = solve(profile, "deft", keep_float32=["p3"], **options)
+    return profile, buckets16, usbyte16, replan
+
+
+def test_a_replan_that_keeps_float32_rebuilds_the_chosen_order_on_its_wires():
+    """The Preserver keeps ``p3`` float32 while US-Byte's order, measured fastest, sends it in float16: that plan
+    would undo the decision, and DDP's buckets would drop the order. The stand-in is US-Byte's order on the
+    re-plan's wires; unmeasured, it duels the synchronous re-plan (or is what a re-plan with delays must beat)."""
+    profile, buckets16, usbyte16, replan = kept_wire_plans()
+    assert narrows_kept(profile, usbyte16, ["p3"]) and narrows_kept(profile, buckets16, ["p3"])
+    assert not narrows_kept(profile, replan, ["p3"]) and not narrows_kept(profile, usbyte16, [])
+    stand_in = synchronous_stand_in(usbyte16, replan, profile, "deft", is_synchronous, None)
+    assert stand_in.policy == "usbyte" and not narrows_kept(profile, stand_in, ["p3"])
+    assert {item.wire_dtype for item in stand_in.items if all(s.param != 3 for s in item.slices)} == {"float16"}
+    assert [s.param for item in stand_in.items for s in item.slices] == [
+        s.param for item in usbyte16.items for s in item.slices], "the order is US-Byte's"
+    assert synchronous_stand_in(buckets16, replan, profile, "deft", is_synchronous, None) is replan
+    before = measured((buckets16, 100.0), (usbyte16, 85.0), (replan, 101.0))
+    assert retired_by_wire(before, profile, ["p3"], is_synchronous, usbyte16.hash()) == (
+        [buckets16.hash(), usbyte16.hash()], usbyte16)
+    assert retired_by_wire(before, profile, ["p3"], is_synchronous, replan.hash()) == (
+        [buckets16.hash(), usbyte16.hash()], None), "the chosen plan keeps p3 float32: no stand-in"
+    # the measured plans that narrow p3 are retired by the loop: nothing synchronous measured is left
+    assert after_replan(replan, {}, is_synchronous, stand_in.hash(), CONFIG, stand_in) == StartDuel(
+        stand_in, replan, REWIRED_DUEL)
+    assert after_replan(replan, {}, is_synchronous, None, CONFIG) is None  # no stand-in: the re-plan runs on
+    assert after_replan(STALE, {}, is_synchronous, stand_in.hash(), CONFIG, stand_in) == StartDuel(
+        STALE, stand_in, "re-plan")
+    # measured already (the duel ran): decided from the measurements as before
+    record = measured((stand_in, 80.0), (replan, 100.0))
+    decision = after_replan(replan, record, is_synchronous, stand_in.hash(), CONFIG, stand_in)
+    assert isinstance(decision, Settle) and decision.plan is stand_in
 
 
 def test_the_duels_verdict_is_the_median_ratio_against_min_gain():

@@ -71,7 +71,14 @@ overlap the model does not capture), the plan may be wrong. The loop:
    re-plans stay synchronous). A re-plan to a plan measured before is decided
    from that measurement at once (the Preserver's probe windows switch back and
    forth). So no plan runs for long slower than its measured synchronous
-   alternative, whoever chose it.
+   alternative, whoever chose it. A re-plan that keeps parameters float32 (the
+   Preserver priced their 16-bit wire harmful) retires every measured plan that
+   sends one of them narrowed (``narrows_kept``): running it would undo that
+   decision. If the synchronous plan chosen is among them, its schedule is rebuilt
+   on the re-plan's wires (``synchronous_stand_in``) and measured: in a duel
+   against a synchronous re-plan (``REWIRED_DUEL``; a priority order measured
+   faster is not dropped for DDP's buckets because a bucket's wire changed), or as
+   the plan a re-plan with delays must beat.
 
 A plan with update periods has steps of different lengths (communication every
 K-th step): its time is the median over whole K-step cycles of the cycle's mean
@@ -88,12 +95,13 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from deft_compile.planner.simulator import coverage_rate
 from deft_compile.planner.solvers import solve
 from deft_compile.planner.solvers.hybrid import PRIORITY_SOLVERS, priority_plan_with_wire, wire_by_param
 from deft_compile.planner.stability import predicted_ms, solve_stable
+from deft_compile.planner.wire import named
 
 log = logging.getLogger("deft_compile")
 
@@ -252,6 +260,41 @@ def wires(plan) -> dict[int, frozenset[str]]:
 #: ``Duel.why`` of the duel between a priority plan and DDP's buckets, both synchronous (which one runs as "the
 #: synchronous plan"); every other duel is between a plan with delays and the synchronous plan.
 SYNCHRONOUS_DUEL = "synchronous"
+#: ``Duel.why`` of the duel between the synchronous plan chosen, rebuilt on a synchronous re-plan's wires
+#: (``synchronous_stand_in``), and that re-plan: both synchronous, the winner becomes the synchronous plan.
+REWIRED_DUEL = "rewired"
+SYNCHRONOUS_DUELS = (SYNCHRONOUS_DUEL, REWIRED_DUEL)
+
+
+def narrows_kept(profile, plan, kept: Sequence[str]) -> bool:
+    """Whether ``plan`` sends a parameter that ``kept`` names (``fnmatch`` patterns: a re-plan's
+    ``keep_float32``) in a 16-bit dtype."""
+    if not kept:
+        return False
+    held = set(named(profile, range(len(profile.params)), kept))
+    return any(dtypes != {"float32"} for param, dtypes in wires(plan).items() if param in held)
+
+
+def retired_by_wire(measured: Measured, profile, kept: Sequence[str], synchronous: IsSynchronous,
+                    pick: str | None) -> tuple[list[str], Any]:
+    """(the hashes of the measured plans that narrow a parameter ``kept`` names (``narrows_kept``), the synchronous
+    plan chosen (``fastest_synchronous``) when it is one of them, else None). Running such a plan would undo the
+    re-plan's float32 decision, so none of them stays a candidate."""
+    retired = [h for h, (plan, _) in measured.items() if narrows_kept(profile, plan, kept)]
+    if not any(synchronous(plan) for plan, _ in measured.values()):
+        return retired, None
+    chosen = fastest_synchronous(measured, synchronous, pick)[0]
+    return retired, chosen if chosen.hash() in retired else None
+
+
+def synchronous_stand_in(chosen, replan, profile, policy: str, synchronous: IsSynchronous,
+                         solve_own: Callable[[dict], Any]):
+    """The synchronous plan ``chosen``'s schedule with ``replan``'s wires: a priority plan rebuilt with each
+    parameter in the wire dtype the re-plan gives it (``priority_plan_with_wire``); DDP's buckets are the re-plan
+    itself when it is synchronous, else its synchronous candidate (``synchronous_candidate``)."""
+    if chosen.policy in PRIORITY_POLICIES:
+        return priority_plan_with_wire(profile, chosen.policy, wire_by_param(replan))
+    return replan if synchronous(replan) else synchronous_candidate(policy, replan, profile, solve_own)
 
 
 @dataclass
@@ -418,13 +461,13 @@ def decide(measured: Measured, synchronous: IsSynchronous, pick: str | None,
 
 
 def after_replan(plan, measured: Measured, synchronous: IsSynchronous, pick: str | None,
-                 config: ClosedLoopConfig) -> Settle | StartDuel | MeasureAlone | None:
+                 config: ClosedLoopConfig, stand_in=None) -> Settle | StartDuel | MeasureAlone | None:
     """Someone else (the Preserver) switched to ``plan`` after the loop settled: a plan measured before is decided
     from that measurement at once, an unmeasured plan with delays duels the synchronous plan. None: ``plan``
-    runs on."""
-    if not any(synchronous(p) for p, _ in measured.values()):
-        return None
-    sync_plan, sync_ms = fastest_synchronous(measured, synchronous, pick)
+    runs on. ``stand_in``: the synchronous plan chosen, rebuilt on the re-plan's wires (``synchronous_stand_in``)
+    where the re-plan keeps float32 what that plan narrowed; unmeasured, it is measured in a duel: against a
+    synchronous re-plan (``REWIRED_DUEL``) or as the synchronous plan a re-plan with delays must beat."""
+    fresh = stand_in is not None and stand_in.hash() not in measured and stand_in.hash() != plan.hash()
     known = measured.get(plan.hash())
     if synchronous(plan):
         # Synchronous plans that send every parameter in the same wire dtype give the same numbers: run the
@@ -432,14 +475,20 @@ def after_replan(plan, measured: Measured, synchronous: IsSynchronous, pick: str
         # answers with DDP's buckets). One with another wire would undo the re-plan's wire (the Preserver sending a
         # bucket back to float32), so it is not a stand-in.
         same = {key: entry for key, entry in measured.items() if synchronous(entry[0]) and wires(entry[0]) == wires(plan)}
-        if not same:
-            return None
-        sync_plan, sync_ms = fastest_synchronous(same, synchronous, pick)
-        if sync_plan.hash() != plan.hash() and (known is None or sync_ms < known[1] * (1.0 - config.min_gain)):
-            return Settle(sync_plan, sync_ms, "synchronous re-plan: the fastest measured synchronous plan with its "
-                          "wire runs instead (same numbers)",
-                          {"replaced": {"plan_hash": plan.hash(), "measured_ms": known[1] if known else None}})
+        if same:
+            sync_plan, sync_ms = fastest_synchronous(same, synchronous, pick)
+            if sync_plan.hash() != plan.hash() and (known is None or sync_ms < known[1] * (1.0 - config.min_gain)):
+                return Settle(sync_plan, sync_ms, "synchronous re-plan: the fastest measured synchronous plan with "
+                              "its wire runs instead (same numbers)",
+                              {"replaced": {"plan_hash": plan.hash(), "measured_ms": known[1] if known else None}})
+        if fresh and config.duel_rounds > 0:
+            return StartDuel(stand_in, plan, REWIRED_DUEL)
         return None
+    if fresh:
+        return StartDuel(plan, stand_in, "re-plan") if config.duel_rounds > 0 else MeasureAlone()
+    if not any(synchronous(p) for p, _ in measured.values()):
+        return None
+    sync_plan, sync_ms = fastest_synchronous(measured, synchronous, pick)
     if known is None:
         return StartDuel(plan, sync_plan, "re-plan") if config.duel_rounds > 0 else MeasureAlone()
     if known[1] > sync_ms * (1.0 - config.min_gain):
@@ -457,7 +506,7 @@ def duel_verdict(duel: Duel, config: ClosedLoopConfig) -> tuple[bool, str, dict]
     challenger, incumbent = duel.plans
     won = ratio < 1.0 - config.min_gain
     verdict = f"median ratio {ratio:.3f} over {len(ratios)} interleaved rounds"
-    challenger_key = "priority_plan" if duel.why == SYNCHRONOUS_DUEL else "stale_plan"
+    challenger_key = "priority_plan" if duel.why in SYNCHRONOUS_DUELS else "stale_plan"
     record = {"duel": {"why": duel.why, "ratios": [round(r, 4) for r in ratios], "median_ratio": round(ratio, 4),
                        challenger_key: challenger.hash(), "synchronous_plan": incumbent.hash(),
                        "block_steps": duel.block_steps, "sequential": duel.sequential}}

@@ -23,6 +23,7 @@ import math
 from typing import Any, Callable, Protocol
 
 from deft_compile.planner.closed_loop import (
+    REWIRED_DUEL,
     SYNCHRONOUS_DUEL,
     ClosedLoopConfig,
     Duel,
@@ -45,7 +46,9 @@ from deft_compile.planner.closed_loop import (
     plan_step_ms,
     priority_schedule_for,
     refined_plan,
+    retired_by_wire,
     rounds_disagree,
+    synchronous_stand_in,
     trial_queue,
     window_steps,
     worst_gap,
@@ -138,6 +141,7 @@ class ClosedLoop:
         # the priority schedule (ByteScheduler's, US-Byte's) of the plan settled on (``priority_schedule_for``):
         # later deft re-plans carry their synchronous parameters on it (``adjust_options``)
         self.priority_schedule: str | None = None
+        self._kept: tuple[str, ...] = ()  # the running re-plan's ``keep_float32`` as last seen (``_retire_narrowed``)
 
     @property
     def scales(self) -> tuple[float, float]:
@@ -206,7 +210,30 @@ class ClosedLoop:
         if self.state in ("settled", "duel"):
             self.duel = None
             self.state = "settled"
-            self._apply(step, after_replan(step.plan, self.measured, self._synchronous, self._sync_pick, self.config))
+            self._after_replan(step)
+
+    def _after_replan(self, step: PlannedStep) -> None:
+        stand_in = self._retire_narrowed(step)
+        self._apply(step, after_replan(step.plan, self.measured, self._synchronous, self._sync_pick, self.config,
+                                       stand_in))
+
+    def _retire_narrowed(self, step: PlannedStep):
+        """Where the re-plan keeps more parameters float32, forget the measured plans that narrow one of them
+        (``retired_by_wire``); the stand-in of the synchronous plan chosen, if that was one (measured next)."""
+        kept = tuple(step.plan.options.get("keep_float32", ()))
+        if kept == self._kept:
+            return None
+        self._kept = kept
+        retired, chosen = retired_by_wire(self.measured, step.profile, kept, self._synchronous, self._sync_pick)
+        for h in retired:
+            del self.measured[h]
+        if chosen is None:
+            return None
+        stand_in = synchronous_stand_in(chosen, step.plan, step.profile, step.policy, self._synchronous, step.solve)
+        self._sync_pick = stand_in.hash()
+        log.info("closed loop: %d measured plan(s) narrow parameters the re-plan keeps float32 (%s): retired; %s's "
+                 "order measured again on the re-plan's wires", len(retired), ", ".join(kept), chosen.policy)
+        return stand_in
 
     # -- measuring ----------------------------------------------------------------------------
     def _new_window(self, plan_hash: str | None) -> None:
@@ -417,6 +444,11 @@ class ClosedLoop:
         self.measured[incumbent.hash()] = (incumbent, duel.plan_ms(1))
         if duel.why == SYNCHRONOUS_DUEL:
             self._after_synchronous_duel(step, challenger if won else incumbent, won, verdict, record)
+        elif duel.why == REWIRED_DUEL:
+            winner, ms = (challenger, duel.plan_ms(0)) if won else (incumbent, duel.plan_ms(1))
+            self._sync_pick = winner.hash()
+            self._settle(step, winner, ms, (f"{winner.policy}'s order rebuilt on the re-plan's wires" if won else
+                                            "the re-plan") + f" won the duel of synchronous plans ({verdict})", **record)
         elif won:
             self._settle(step, challenger, duel.plan_ms(0), f"plan with delays won the duel ({verdict})", **record)
         else:
@@ -446,8 +478,7 @@ class ClosedLoop:
         if pending.hash() != step.plan.hash():
             self._switch(step, pending, "closed loop: the re-plan made during the duel of synchronous plans",
                          record=False)
-            self._apply(step, after_replan(step.plan, self.measured, self._synchronous, self._sync_pick,
-                                           self.config))
+            self._after_replan(step)
 
     # -- acting on the step -----------------------------------------------------------------------
     def _switch(self, step: PlannedStep, plan, reason: str, record: bool = True, **extra: Any) -> None:
