@@ -160,13 +160,14 @@ def test_fp16_loss_scaling_equals_ddp_with_grad_scaler_within_torch_compiles_dri
 
 # -- resume ----------------------------------------------------------------------------------------------------
 def test_dcp_checkpoint_resumes_bit_identically(tmp_path):
-    """``deft_compile.checkpoint`` (DCP) after step 1 of a delaying plan with the Preserver on, resumed on a fresh
-    process pair: every region runs the same kernels in both runs, so parameters, gradients, optimizer state,
-    pending gradients and the Preserver's state equal the run that never stopped, bit for bit."""
+    """``deft_compile.checkpoint`` (DCP) after two steps of a delaying plan with the Preserver on (the first ran as
+    aten, ``aten_first_call``), resumed on a fresh process pair: every region runs the same kernels in both runs, so
+    parameters, gradients, optimizer state, pending gradients and the Preserver's state equal the run that never
+    stopped, bit for bit."""
     case, stop, path = "mlp_dropout_sgd", 5, str(tmp_path / "ckpt")
     straight = _launch(dcp_checkpoint_run, case, 0, stop, None, None)
-    first = _launch(dcp_checkpoint_run, case, 0, 1, None, path)
-    resumed = _launch(dcp_checkpoint_run, case, 1, stop, path, None)
+    first = _launch(dcp_checkpoint_run, case, 0, 2, None, path)
+    resumed = _launch(dcp_checkpoint_run, case, 2, stop, path, None)
     for rank in range(2):
         expected, actual = straight[rank], resumed[rank]
         assert first[rank]["pending_before_save"] > 0, "the checkpoint must carry pending gradients"

@@ -192,8 +192,9 @@ def _update_distance(model: torch.nn.Module, reference: torch.nn.Module, start: 
 
 
 def test_local_regional_step_compiles_once_and_matches_aten():
-    """One process, Inductor in regions: AdamW's first step compiles its regions, with the optimizer state there
-    from the first capture (``optim_support.initialize_state``), and nothing after; parameters match the aten route
+    """One process, Inductor in regions: AdamW's first step runs as aten (``aten_first_call``), the second compiles
+    the regions, with the optimizer state there from the first capture (``optim_support.initialize_state``), and
+    nothing after; parameters match the aten route
     to float32 round-off: within
     ``DRIFT_MULTIPLE`` times torch.compile's own difference from eager on the same model, batch and steps, measured
     here (tests/bounds.py)."""
@@ -210,7 +211,7 @@ def test_local_regional_step_compiles_once_and_matches_aten():
         for step in steps.values():
             step(*batch)
         compiles.append(len(steps["inductor"].lowering.history))
-    assert compiles[0] > 0 and compiles[0] == compiles[1] == compiles[2] == compiles[3], compiles
+    assert compiles[0] == 0 and compiles[1] > 0 and compiles[1] == compiles[2] == compiles[3], compiles
     assert steps["inductor"].compiler == "inductor"
     # the yardstick: the model compiled by torch.compile and the eager one, each with the eager AdamW
     eager, compiled = _gpt()[0], _gpt()[0]

@@ -454,7 +454,8 @@ class StepLowering:
     """Runs the step graphs of one ``CompiledStep`` with the configured compiler.
 
     ``"inductor"`` (the default): regional (``deft_compile.step.regions``). Every graph runs as its segments from
-    its first call on, flush graphs too: the plan's glue as aten, each region compiled once per structure and
+    its first call on, flush graphs too (the step's own first call aside, which the runner runs as aten:
+    ``DeftConfig.aten_first_call``): the plan's glue as aten, each region compiled once per structure and
     input signature for all the step's graphs. So a graph runs the same kernels in every process from its first
     call (a resumed run is bit-identical to a straight one), and a new plan compiles only regions no earlier graph
     had (none, when only the collectives moved).
@@ -497,7 +498,14 @@ class StepLowering:
         # graph Inductor will compile). Timings of steps with one are not the plan's (the closed loop leaves them out)
         self.cold_runs = 0
 
-    def run(self, gm: fx.GraphModule, inputs: Sequence[Any], *, flush: bool = False, label: str = "step") -> Sequence[Any]:
+    def run(self, gm: fx.GraphModule, inputs: Sequence[Any], *, flush: bool = False, label: str = "step",
+            aten: bool = False) -> Sequence[Any]:
+        """Run ``gm`` on ``inputs`` with the compiler; ``aten``: as aten this time, compiling nothing (a run that is
+        not the compiled graph's steady state, counted in ``cold_runs``)."""
+        if aten:
+            self.cold_runs += self.compiler != "aten"
+            self.last = LoweredGraph(run=gm, compiler="aten")
+            return gm(*inputs)
         if self.regions is not None:
             return self._run_regions(gm, inputs, label)
         lowered = self._lowered.get(gm)

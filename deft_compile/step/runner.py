@@ -110,6 +110,11 @@ class StepRunner:
         self.lowering.prepare(compiled.graph_module, self.graph_inputs(compiled.layout, compiled.captured, user_tensors))
         return symbolic.admits(user_tensors)
 
+    def runs_aten(self, compiled: CompiledGraph) -> bool:
+        """Whether this call runs its graph as aten whatever the compiler: the step's first call on a static
+        capture (``DeftConfig.aten_first_call``)."""
+        return self.step_count == 0 and compiled.captured.symbolic is None and self.config.aten_first_call
+
     def run_step(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor], plan: Plan | None):
         """Run the step; with a dump folder, record a measured timeline of a few steps (``DEFT_DUMP_MEASURE_STEP``)."""
         if self.dump_dir is not None and self._recorder is None and self.step_count == measured_step_index():
@@ -202,7 +207,8 @@ class StepRunner:
         process_group = self.groups.process_group
         try:
             with torch.no_grad():
-                outputs = self.lowering.run(compiled.graph_module, inputs, flush=compiled.flush)
+                outputs = self.lowering.run(compiled.graph_module, inputs, flush=compiled.flush,
+                                            aten=self.runs_aten(compiled))
         except Exception as exc:
             if process_group is not None and _looks_like_collective_failure(exc):
                 raise diagnose_peer_failure(
