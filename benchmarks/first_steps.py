@@ -18,7 +18,8 @@ call from the first. A launch is *cold* when Inductor's caches start empty (a fr
 * ``--compare-lowering``: the steady step of regional lowering against whole-graph lowering (``inductor-graph``),
   both in one process pair, interleaved blocks after both compiled.
 
-``--variants deft,torch.compile`` also launches the anchor, ``torch.compile(DistributedDataParallel(model))`` with
+``--variants deft,deft-compile-first`` also launches the defaults with ``DeftConfig(aten_first_call=False)``
+(regions compiled from the first call). ``--variants deft,torch.compile`` also launches the anchor, ``torch.compile(DistributedDataParallel(model))`` with
 the eager optimizer on the same model, data and steps, timed the same way (its stalls are its compiles and
 recompiles), alternating the order across launches; every launch records its processes' peak resident memory.
 
@@ -41,6 +42,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+#: the ``deft_compile`` variants, by name: their ``DeftConfig`` fields besides the defaults
+DEFT_VARIANTS: dict[str, dict[str, Any]] = {"deft": {}, "deft-compile-first": {"aten_first_call": False}}
 STALL_FACTOR = 3.0
 #: a call after the first that takes over this many median steps is a stall of ``stalls_after_first_s``
 LATER_STALL_FACTOR = 1.5
@@ -70,13 +73,14 @@ def build(model: str, rank: int, steps: int) -> tuple[Any, Any, Any, list[tuple]
     raise ValueError(f"unknown model {model!r}: transformer or cnn")
 
 
-def first_steps_worker(rank: int, world_size: int, model: str, steps: int) -> dict[str, Any]:
-    """One rank: the defaults from the first call, every call timed."""
-    from deft_compile import deft_compile
+def first_steps_worker(rank: int, world_size: int, model: str, steps: int, config: dict | None = None) -> dict[str, Any]:
+    """One rank: the defaults (with ``config``'s ``DeftConfig`` fields, if any) from the first call, every call
+    timed."""
+    from deft_compile import DeftConfig, deft_compile
 
     net, optimizer, loss_fn, batches = build(model, rank, steps)
     started = time.perf_counter()
-    step = deft_compile(net, optimizer, loss_fn)
+    step = deft_compile(net, optimizer, loss_fn, config=DeftConfig(**(config or {})))
     construct_s = time.perf_counter() - started
     times, switched, traced = [], [], []
     for args in batches:
@@ -179,8 +183,11 @@ def launch(model: str, steps: int, cache_dir: str, variant: str = "deft") -> dic
     from deft_compile.tools.launcher import run_local_workers
 
     env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    worker = first_steps_worker if variant == "deft" else torch_compile_worker
-    results = run_local_workers(worker, 2, (model, steps), timeout_s=3600, collective_timeout_s=600,
+    if variant == "torch.compile":
+        worker, args = torch_compile_worker, (model, steps)
+    else:
+        worker, args = first_steps_worker, (model, steps, DEFT_VARIANTS[variant])
+    results = run_local_workers(worker, 2, args, timeout_s=3600, collective_timeout_s=600,
                                 env=env, start_method="spawn")
     return {"rank0": summarise(results[0].value), "rank1": summarise(results[1].value),
             "plan_history": results[0].value["plan_history"]}
@@ -193,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--compare-lowering", action="store_true", help="also regional vs whole-graph steady step")
     parser.add_argument("--variants", default="deft",
-                        help="deft (deft_compile's defaults) and/or torch.compile (torch.compile(DDP(model)) with the "
-                             "eager optimizer), each launch in turn, order alternating across launches")
+                        help="deft (deft_compile's defaults), deft-compile-first (the defaults with "
+                             "DeftConfig(aten_first_call=False): Inductor from the first call) and/or torch.compile "
+                             "(torch.compile(DDP(model)) with the eager optimizer), each launch in turn, order "
+                             "alternating across launches")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--block", type=int, default=5)
     parser.add_argument("--out", default="first_steps_out")
