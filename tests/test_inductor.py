@@ -115,8 +115,9 @@ def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(cap
                                                                              adamw_under_step_lr_drift):
     """One graph for a whole LR schedule, the aten route's numbers to round-off (within ``DRIFT_MULTIPLE`` times
     torch.compile's own difference from eager on the same model, optimizer, schedule and batches). Regional (the
-    default): its first run is aten (``aten_first_call``), its regions compile on the second and the LR changes
-    compile nothing more. Whole-graph (``inductor-graph``): compiled on its second run."""
+    default): its first run compiles what Inductor's cache holds (``aten_first_call``), its regions are all compiled
+    by the second run and the LR changes compile nothing more. Whole-graph (``inductor-graph``): compiled on its
+    second run."""
     monkeypatch.setattr(lowering, "REGION_CACHES", False)  # every region keeps its generated code for the check
     inductor = "inductor-graph" if whole else "inductor"
     models = {c: _mlp() for c in ("aten", inductor)}
@@ -124,10 +125,12 @@ def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(cap
     for compiler, model in models.items():
         optimizer, schedule = _adamw_under_step_lr(model)
         steps[compiler] = step = deft_compile(model, optimizer, F.cross_entropy, config=DeftConfig(compiler=compiler))
+        compiled_by_call = []
         with caplog.at_level(logging.INFO, logger="deft_compile"):
             for x, y in _batches(4):
                 step(x, y)
                 schedule.step()
+                compiled_by_call.append(len(step.lowering.history))
     assert steps[inductor].compiler == "inductor" and steps["aten"].compiler == "aten"
     # one graph: the optimizer state exists from the first capture (optim_support.initialize_state), and the
     # learning rate's changes reuse it
@@ -137,7 +140,9 @@ def test_local_inductor_step_matches_aten_and_reuses_graph_under_lr_schedule(cap
     if whole:
         assert len(history) == 1 and "Inductor compiled step graph" in caplog.text
     else:
-        assert steps[inductor].lowering.cold_runs == 2  # the aten first call, the second's regions; nothing more
+        # the first call (regions from the cache, or as aten from the first miss), the second's compiles if it had
+        # any; nothing more
+        assert steps[inductor].lowering.cold_runs in (1, 2) and compiled_by_call[1] == compiled_by_call[-1] > 0
         assert "region(s) of the step graph" in caplog.text
     differences = {name: _relative(a.detach(), b.detach())
                    for (name, a), b in zip(models[inductor].named_parameters(), models["aten"].parameters())}
@@ -257,8 +262,9 @@ def test_inductor_wfbp_equals_ddp(ddp_report):
     ``DRIFT_MULTIPLE`` times DDP around ``torch.compile(model)`` against DDP, measured in the same launch."""
     case, per_rank = ddp_report
     for rank, report in enumerate(per_rank):
-        compilers = report["compilers"]  # the first call runs as aten (aten_first_call), then compiled kernels
-        assert compilers == ["aten"] + ["inductor"] * (len(compilers) - 1), report["history"]
+        compilers = report["compilers"]  # the first call: aten where Inductor's cache missed (aten_first_call)
+        assert compilers[0] in ("aten", "inductor") and compilers[1:] == ["inductor"] * (len(compilers) - 1), \
+            report["history"]
         check_within_drift(report["steps"], worst(report["compiled"]), f"{case} rank {rank}")
 
 

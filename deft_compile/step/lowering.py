@@ -454,8 +454,8 @@ class StepLowering:
     """Runs the step graphs of one ``CompiledStep`` with the configured compiler.
 
     ``"inductor"`` (the default): regional (``deft_compile.step.regions``). Every graph runs as its segments from
-    its first call on, flush graphs too (the step's own first call aside, which the runner runs as aten:
-    ``DeftConfig.aten_first_call``): the plan's glue as aten, each region compiled once per structure and
+    its first call on, flush graphs too (the step's own first call on a static capture aside, which compiles only
+    what Inductor's cache holds: ``DeftConfig.aten_first_call``): the plan's glue as aten, each region compiled once per structure and
     input signature for all the step's graphs. So a graph runs the same kernels in every process from its first
     call (a resumed run is bit-identical to a straight one), and a new plan compiles only regions no earlier graph
     had (none, when only the collectives moved).
@@ -499,15 +499,12 @@ class StepLowering:
         self.cold_runs = 0
 
     def run(self, gm: fx.GraphModule, inputs: Sequence[Any], *, flush: bool = False, label: str = "step",
-            aten: bool = False) -> Sequence[Any]:
-        """Run ``gm`` on ``inputs`` with the compiler; ``aten``: as aten this time, compiling nothing (a run that is
-        not the compiled graph's steady state, counted in ``cold_runs``)."""
-        if aten:
-            self.cold_runs += self.compiler != "aten"
-            self.last = LoweredGraph(run=gm, compiler="aten")
-            return gm(*inputs)
+            cached_only: bool = False) -> Sequence[Any]:
+        """Run ``gm`` on ``inputs`` with the compiler. ``cached_only`` (the step's first call on a static capture,
+        ``DeftConfig.aten_first_call``): regions compile only while Inductor's cache holds them; from the first
+        region compiled from scratch on, the others run as aten this time."""
         if self.regions is not None:
-            return self._run_regions(gm, inputs, label)
+            return self._run_regions(gm, inputs, label, cached_only)
         lowered = self._lowered.get(gm)
         if lowered is None:
             calls = self._seen.get(gm, 0)
@@ -598,27 +595,37 @@ class StepLowering:
             examples = [e if is_symbolic(e) else x for e, x in zip(examples, inputs)]
             self._lower_graph(gm, examples, "step")
 
-    def _run_regions(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str) -> Sequence[Any]:
+    def _run_regions(self, gm: fx.GraphModule, inputs: Sequence[Any], label: str,
+                     cached_only: bool = False) -> Sequence[Any]:
         program = self.program(gm)
         compiled_before = len(self.history)
-        if self._share is not None and program not in self._dealt:
+        if self._share is not None and program not in self._dealt and not cached_only:
             self._dealt.add(program)
             self._compile_share(program)
+        as_aten = []  # cached_only: the regions run as aten once a compile missed Inductor's cache
 
         def call(segment: Any, values: list[Any]) -> Sequence[Any]:
-            if not segment.is_region:
+            if not segment.is_region or as_aten:
+                as_aten.extend([segment.key] if segment.is_region else [])
                 return segment.module(*values)
+            compiled_now = len(self.history)
             compiled, _ = self.regions.get(segment, values)
+            if cached_only and any(not entry.get("cache_hit") for entry in self.history[compiled_now:]):
+                as_aten.append(None)  # a compile from scratch: the cache is cold for this step
             return compiled(*values)
 
         outputs = program.run(inputs, call)
+        if as_aten:
+            log.info("the first call compiled %d region(s) of the %s graph; Inductor's cache missed, so %d ran as "
+                     "aten and compile from the next call (aten_first_call)", len(self.history) - compiled_before,
+                     label, len([key for key in as_aten if key is not None]))
         new = self.history[compiled_before:]
-        if new:
+        if new or as_aten:
             self.cold_runs += 1
             log.info("Inductor compiled %d region(s) of the %s graph in %.2f s (%d regions compiled in all)",
                      len(new), label, sum(entry["seconds"] for entry in new), len(self.regions))
         keys = {segment.key for segment in program.segments if segment.is_region}
-        lowered = any(key not in self.regions.aten_keys for key in keys)
+        lowered = not as_aten and any(key not in self.regions.aten_keys for key in keys)
         identities = {self.regions.identity(s) for s in program.segments if s.is_region}
         sources = [entry.get("source", "") for entry in self.history if entry.get("source") and entry["key"] in identities]
         self.last = LoweredGraph(run=gm, compiler="inductor" if lowered else "aten", source_code="\n".join(sources),

@@ -110,9 +110,9 @@ class StepRunner:
         self.lowering.prepare(compiled.graph_module, self.graph_inputs(compiled.layout, compiled.captured, user_tensors))
         return symbolic.admits(user_tensors)
 
-    def runs_aten(self, compiled: CompiledGraph) -> bool:
-        """Whether this call runs its graph as aten whatever the compiler: the step's first call on a static
-        capture (``DeftConfig.aten_first_call``)."""
+    def cached_only(self, compiled: CompiledGraph) -> bool:
+        """Whether this call compiles only what Inductor's cache holds (``StepLowering.run``): the step's first call
+        on a static capture (``DeftConfig.aten_first_call``)."""
         return self.step_count == 0 and compiled.captured.symbolic is None and self.config.aten_first_call
 
     def run_step(self, compiled: CompiledGraph, user_tensors: list[torch.Tensor], plan: Plan | None):
@@ -208,7 +208,7 @@ class StepRunner:
         try:
             with torch.no_grad():
                 outputs = self.lowering.run(compiled.graph_module, inputs, flush=compiled.flush,
-                                            aten=self.runs_aten(compiled))
+                                            cached_only=self.cached_only(compiled))
         except Exception as exc:
             if process_group is not None and _looks_like_collective_failure(exc):
                 raise diagnose_peer_failure(
