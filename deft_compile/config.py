@@ -83,10 +83,11 @@ class DeftConfig(BucketSizes):
             put them, ``deft_compile.step.lowering``) or ``"aten"`` (the graph's aten ops called from Python;
             bit-identical to DDP with SGD); ``$DEFT_COMPILER`` when set. Inductor by default because its
             fused kernels run the step faster than ATen's ops called one by one.
-        aten_first_call: the step's first call (``step_count`` 0) runs its graph as aten where its capture is
-            static, and Inductor compiles from the second call on. On because a static capture's shapes may not
-            repeat: a second input length makes the next capture symbolic, and what the first call compiled never
-            runs again; with shapes that repeat it costs one uncompiled step. A symbolic capture compiles at once.
+        aten_first_call: the step's first call (``step_count`` 0) on a static capture compiles only what
+            Inductor's cache holds: once a region has to be compiled from scratch, that call runs its other regions
+            as aten, and they compile from the second call on. On because a static capture's shapes may not repeat
+            (a second input length makes the next capture symbolic, and what the first call compiled never runs
+            again), while on a warm cache the first call still runs compiled. A symbolic capture compiles at once.
         delayed_update: what a delayed bucket (d=1) applies: ``"compensated"``, the averaged gradient of the
             previous step through the Nesterov form of the first moment, with the forward and backward at the
             weights the pending update is about to give (SGD with momentum, Adam, AdamW;
