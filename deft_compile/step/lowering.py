@@ -455,8 +455,8 @@ class StepLowering:
 
     ``"inductor"`` (the default): regional (``deft_compile.step.regions``). Every graph runs as its segments from
     its first call on, flush graphs too (the step's own first call on a static capture aside, which compiles only
-    what Inductor's cache holds: ``DeftConfig.aten_first_call``): the plan's glue as aten, each region compiled once per structure and
-    input signature for all the step's graphs. So a graph runs the same kernels in every process from its first
+    what Inductor's cache holds: ``DeftConfig.aten_first_call``): the plan's glue as aten, each region compiled
+    once per structure and input signature for all the step's graphs. So a graph runs the same kernels in every process from its first
     call (a resumed run is bit-identical to a straight one), and a new plan compiles only regions no earlier graph
     had (none, when only the collectives moved).
 
@@ -602,28 +602,26 @@ class StepLowering:
         if self._share is not None and program not in self._dealt and not cached_only:
             self._dealt.add(program)
             self._compile_share(program)
-        as_aten = []  # cached_only: the regions run as aten once a compile missed Inductor's cache
+        missed, as_aten = False, 0  # cached_only: a compile missed Inductor's cache; regions run as aten since
 
         def call(segment: Any, values: list[Any]) -> Sequence[Any]:
-            if not segment.is_region or as_aten:
-                as_aten.extend([segment.key] if segment.is_region else [])
+            nonlocal missed, as_aten
+            if not segment.is_region or missed:
+                as_aten += segment.is_region
                 return segment.module(*values)
             compiled_now = len(self.history)
             compiled, _ = self.regions.get(segment, values)
-            if cached_only and any(not entry.get("cache_hit") for entry in self.history[compiled_now:]):
-                as_aten.append(None)  # a compile from scratch: the cache is cold for this step
+            missed = cached_only and any(entry.get("cache_hit") is not True for entry in self.history[compiled_now:])
             return compiled(*values)
 
         outputs = program.run(inputs, call)
-        if as_aten:
-            log.info("the first call compiled %d region(s) of the %s graph; Inductor's cache missed, so %d ran as "
-                     "aten and compile from the next call (aten_first_call)", len(self.history) - compiled_before,
-                     label, len([key for key in as_aten if key is not None]))
         new = self.history[compiled_before:]
         if new or as_aten:
             self.cold_runs += 1
-            log.info("Inductor compiled %d region(s) of the %s graph in %.2f s (%d regions compiled in all)",
-                     len(new), label, sum(entry["seconds"] for entry in new), len(self.regions))
+            log.info("Inductor compiled %d region(s) of the %s graph in %.2f s (%d regions compiled in all)%s",
+                     len(new), label, sum(entry["seconds"] for entry in new), len(self.regions),
+                     f"; {as_aten} ran as aten, to compile from the next call: the first call compiles only what "
+                     f"Inductor's cache holds (aten_first_call)" if as_aten else "")
         keys = {segment.key for segment in program.segments if segment.is_region}
         lowered = not as_aten and any(key not in self.regions.aten_keys for key in keys)
         identities = {self.regions.identity(s) for s in program.segments if s.is_region}
