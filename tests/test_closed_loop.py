@@ -567,7 +567,7 @@ def test_a_float32_replan_keeps_the_priority_order_it_measured_fastest():
     from deft_compile.planner.closed_loop import REWIRED_DUEL, narrows_kept
     from deft_compile.step.closed_loop import ClosedLoop
     from deft_compile.timing import Elapsed
-    from test_closed_loop_rules import kept_wire_plans
+    from wire_plans import kept_wire_plans
 
     profile, buckets16, usbyte16, replan = kept_wire_plans()
 

@@ -35,6 +35,7 @@ from deft_compile.planner.closed_loop import (
 from deft_compile.planner.refine import refine_profile, thread_ms_of
 from deft_compile.planner.solvers import solve
 from deft_compile.planner.zoo_profiles import build_profile
+from wire_plans import kept_wire_plans
 
 CONFIG = ClosedLoopConfig()
 
@@ -124,22 +125,6 @@ def test_a_synchronous_replan_is_replaced_only_by_a_measured_plan_with_its_wire(
     decision = after_replan(float32_buckets, {**record, **measured((float32_priority, 85.0))}, is_synchronous,
                             "priority16", CONFIG)
     assert isinstance(decision, Settle) and decision.plan is float32_priority
-
-
-def kept_wire_plans():
-    """A profile of four 1 MB parameters, ``p0``..``p3``, and (DDP's buckets in float16, US-Byte's order in float16,
-    the Preserver's synchronous re-plan that keeps ``p3`` float32)."""
-    from deft_compile.planner.plan import LinkCost, ParamProfile, Profile
-    from deft_compile.planner.solvers.hybrid import priority_plan_with_wire, wire_by_param
-
-    profile = Profile([ParamProfile(f"p{i}", 250_000, "float32", 1.0, 1.0, 0.0, layer=3 - i) for i in range(4)],
-                      [LinkCost("l", 0.5, 1e-6)])
-    options = {"first_bucket_bytes": 1_000_000, "bucket_cap_bytes": 1_000_000, "max_staleness": 0,
-               "wire_prices": {"float16": {f"p{i}": 1e-4 for i in range(4)}}}
-    buckets16 = solve(profile, "deft", **options)
-    usbyte16 = priority_plan_with_wire(profile, "usbyte", wire_by_param(buckets16))
-    replan = solve(profile, "deft", keep_float32=["p3"], **options)
-    return profile, buckets16, usbyte16, replan
 
 
 def test_a_replan_that_keeps_float32_rebuilds_the_chosen_order_on_its_wires():
