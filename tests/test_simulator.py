@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import time
 
@@ -397,3 +398,46 @@ def test_scaled_simulation_equals_simulating_the_scaled_profile_to_the_bit() -> 
                 for key in ("iteration_ms", "compute_ms", "floor_ms", "exposed_comm_ms", "contention_ms"):
                     assert getattr(got, key) == getattr(expected, key), (name, plan.policy, compute, link, key)
                 assert got.link_busy_ms == expected.link_busy_ms
+
+
+def test_the_refinement_simulates_a_plan_once_per_link_to_compute_ratio() -> None:
+    """Every time the simulator forms is a sum or a maximum of compute and link times, so scaling both by ``a``
+    scales the step and its overlap by ``a``: ``scaled_parts`` simulates a plan once per ratio ``link / compute``
+    and multiplies. Its parts equal ``contention_parts`` of the scaled profile to round-off (plans with delays,
+    priorities, per-layer waits and periods, one link and two, message CPU time), and the 13 x 13 coarse grid of
+    ``refine_scales`` runs 25 simulations per plan, not 169."""
+    import dataclasses
+
+    from deft_compile.planner import refine
+    from deft_compile.planner.refine import contention_parts, scaled_parts, scaled_profile
+    from deft_compile.planner.simulator import ScaledSimulation
+    from deft_compile.planner.solvers import solve
+    from deft_compile.planner.zoo_profiles import build_profile
+
+    for name, extra_link in (("gpt2", 0.0), ("resnet101", 10.0)):
+        profile = dataclasses.replace(build_profile(name, inter_gbps=25, extra_link_gbps=extra_link),
+                                      message_cpu_ms=0.05)
+        parts = scaled_parts(profile)
+        for plan in [solve(profile, policy) for policy in ("deft", "wfbp", "bytescheduler", "usbyte")]:
+            for compute, link in ((1.0, 1.0), (1.3, 0.7), (0.4, 2.5), (2 ** 0.125, 1 / 3), (8.0, 8.0)):
+                expected = contention_parts(scaled_profile(profile, compute, link), plan)
+                got = parts(plan, compute, link)
+                for a, b in zip(got, expected):
+                    assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12), (name, plan.policy, compute, link)
+
+    runs = []
+    original = ScaledSimulation.run
+
+    def counted(self, *args, **kwargs):
+        runs.append(args)
+        return original(self, *args, **kwargs)
+
+    profile = build_profile("gpt2", inter_gbps=25)
+    plan = solve(profile, "deft")
+    measured = [(plan, contention_parts(scaled_profile(profile, 1.5, 2.0), plan)[0])]
+    ScaledSimulation.run = counted
+    try:
+        refine.refine_scales(measured, scaled_parts(profile), contention=0.0, fit_link=True)
+    finally:
+        ScaledSimulation.run = original
+    assert len(runs) < 25 + 2 * 17, len(runs)  # three grids of 169, 81 and 81 points

@@ -55,7 +55,9 @@ class StepTimer:
             self._thread_clock.start()
 
     def stop(self) -> StepTiming:
+        # the thread's clocks are read inside the step's own span (started after its mark, stopped before its
+        # end is read), so their times never hold a wait that the step's time does not
+        cpu_seconds, queue_seconds = self._thread_clock.stop() if self._clocked else (None, None)
         elapsed = self._clock.since(self._mark) if self._mark is not None else None
         seconds = time.perf_counter() - self._started
-        cpu_seconds, queue_seconds = self._thread_clock.stop() if self._clocked else (None, None)
         return StepTiming(seconds, elapsed, cpu_seconds, queue_seconds, self.lowering.cold_runs == self._cold_runs)
