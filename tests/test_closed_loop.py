@@ -599,6 +599,29 @@ def test_a_float32_replan_keeps_the_priority_order_it_measured_fastest():
         assert not narrows_kept(profile, step.plan, ["p3"]) and loop._sync_pick == step.plan.hash()
         assert "won the duel of synchronous plans" in step.plan_history[-1]["reason"]
 
+    # no duels configured: the re-plan is measured alone, then the rebuilt order, and the synchronous plan is
+    # chosen again between them (the priority order only where it measured min_gain faster)
+    for rebuilt_ms, winner in ((80.0, "usbyte"), (99.0, "deft")):
+        step = Step(profile=profile, policy="deft", plan=usbyte16, plan_switches=0, plan_history=[], step_count=0,
+                    process_group=object())
+        loop = ClosedLoop(ClosedLoopConfig(duel_rounds=0, warmup_steps=1, measure_steps=3, min_window_ms=0.0))
+        loop._agree = lambda _step, *values: list(values)
+        loop._refined = True  # the profile was refined before it settled
+        loop.measured = {buckets16.hash(): (buckets16, 100.0), usbyte16.hash(): (usbyte16, 85.0)}
+        loop.state, loop._sync_pick = "settled", usbyte16.hash()
+        loop.after_step(step, Elapsed(85.0))
+        step.switch_plan({}, "Preserver: float32 for p3", plan=replan)
+        loop.after_step(step, Elapsed(100.0))
+        assert loop.state == "trial" and loop._sync_pick is None and not loop.measured
+        for _ in range(40):
+            if loop.state != "trial":
+                break
+            loop.after_step(step, Elapsed(rebuilt_ms if step.plan.policy == "usbyte" else 100.0))
+        assert loop.state == "settled" and step.plan.policy == winner, (rebuilt_ms, step.plan_history)
+        assert sorted(p.policy for p, _ in loop.measured.values()) == ["deft", "usbyte"]
+        assert not any(narrows_kept(profile, p, ["p3"]) for p, _ in loop.measured.values())
+        assert loop._sync_pick == step.plan.hash()
+
 
 def test_a_settled_plan_with_delays_that_slows_down_duels_again_and_goes_synchronous(outcome):
     """Injected: the plan with delays is 400 ms faster until step 40, then 400 ms slower (the host got busy).

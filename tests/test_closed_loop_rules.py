@@ -151,6 +151,12 @@ def test_a_replan_that_keeps_float32_rebuilds_the_chosen_order_on_its_wires():
     assert after_replan(replan, {}, is_synchronous, None, CONFIG) is None  # no stand-in: the re-plan runs on
     assert after_replan(STALE, {}, is_synchronous, stand_in.hash(), CONFIG, stand_in) == StartDuel(
         STALE, stand_in, "re-plan")
+    # no duels configured: the stand-in is measured alone after the re-plan; beside a synchronous re-plan the
+    # synchronous plan is then chosen again among the measured ones
+    alone = ClosedLoopConfig(duel_rounds=0)
+    assert after_replan(replan, {}, is_synchronous, stand_in.hash(), alone, stand_in) == MeasureAlone(
+        then=(stand_in,), choose_again=True)
+    assert after_replan(STALE, {}, is_synchronous, stand_in.hash(), alone, stand_in) == MeasureAlone(then=(stand_in,))
     # measured already (the duel ran): decided from the measurements as before
     record = measured((stand_in, 80.0), (replan, 100.0))
     decision = after_replan(replan, record, is_synchronous, stand_in.hash(), CONFIG, stand_in)

@@ -78,7 +78,9 @@ overlap the model does not capture), the plan may be wrong. The loop:
    on the re-plan's wires (``synchronous_stand_in``) and measured: in a duel
    against a synchronous re-plan (``REWIRED_DUEL``; a priority order measured
    faster is not dropped for DDP's buckets because a bucket's wire changed), or as
-   the plan a re-plan with delays must beat.
+   the plan a re-plan with delays must beat. With no duels configured
+   (``duel_rounds=0``) it is measured alone after the re-plan (``MeasureAlone``),
+   and the synchronous plan is chosen again among the measured ones.
 
 A plan with update periods has steps of different lengths (communication every
 K-th step): its time is the median over whole K-step cycles of the cycle's mean
@@ -404,7 +406,12 @@ class StartDuel:
 
 @dataclass(frozen=True)
 class MeasureAlone:
-    """Measure the running plan on its own (no duel configured), then decide from the measurements."""
+    """Measure the running plan on its own (no duel configured), then each plan of ``then`` in turn, then decide
+    from the measurements; ``choose_again``: the synchronous plan is chosen afresh among those measured
+    (``choose_synchronous``), as a duel of synchronous plans would choose it."""
+
+    then: tuple = ()
+    choose_again: bool = False
 
 
 def fastest_synchronous(measured: Measured, synchronous: IsSynchronous, pick: str | None) -> tuple[Any, float]:
@@ -481,11 +488,12 @@ def after_replan(plan, measured: Measured, synchronous: IsSynchronous, pick: str
                 return Settle(sync_plan, sync_ms, "synchronous re-plan: the fastest measured synchronous plan with "
                               "its wire runs instead (same numbers)",
                               {"replaced": {"plan_hash": plan.hash(), "measured_ms": known[1] if known else None}})
-        if fresh and config.duel_rounds > 0:
-            return StartDuel(stand_in, plan, REWIRED_DUEL)
+        if fresh:
+            return (StartDuel(stand_in, plan, REWIRED_DUEL) if config.duel_rounds > 0
+                    else MeasureAlone(then=(stand_in,), choose_again=True))
         return None
     if fresh:
-        return StartDuel(plan, stand_in, "re-plan") if config.duel_rounds > 0 else MeasureAlone()
+        return StartDuel(plan, stand_in, "re-plan") if config.duel_rounds > 0 else MeasureAlone(then=(stand_in,))
     if not any(synchronous(p) for p, _ in measured.values()):
         return None
     sync_plan, sync_ms = fastest_synchronous(measured, synchronous, pick)

@@ -383,7 +383,8 @@ class ClosedLoop:
             self._start_duel(step, decision.challenger, decision.incumbent, decision.why)
         elif isinstance(decision, MeasureAlone):  # no duel configured: measure it on its own first
             self.state = "trial"
-            self._queue = []
+            self._queue = [(plan, "measured alone after a re-plan (no duels)") for plan in decision.then]
+            self._sync_pick = None if decision.choose_again else self._sync_pick  # chosen again once measured
 
     def _fastest_synchronous(self):
         return fastest_synchronous(self.measured, self._synchronous, self._sync_pick)
