@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and len(configs) * len(args.coverage) > 1:
         parser.error("--json names one results file: give one --workload and one --coverage, or leave it out")
     out = Path(args.out)
-    command = ("python benchmarks/time_to_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    # quoted as a shell reads it: the recorded command re-runs as written (``--docs ''`` keeps its empty argument)
+    command = shlex.join(["python", "benchmarks/time_to_accuracy.py", *(argv if argv is not None else sys.argv[1:])])
     records = []
     try:
         for cfg in configs:

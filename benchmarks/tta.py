@@ -56,6 +56,7 @@ import json
 import math
 import os
 import statistics
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -1265,7 +1266,7 @@ def run_cli(args: Any) -> int:
         run_benchmark(cfg, args.seeds, bandwidth=bandwidth, coverage=args.coverage, workers=args.workers,
                       timeout_s=args.timeout or 6 * 3600.0, json_path=args.json,
                       plot_dir=plot.parent if plot else None, plot_stem=plot.stem if plot else "time_to_accuracy",
-                      command="deft-compile bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None)
+                      command=shlex.join(["deft-compile", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None)
     except RuntimeError as error:
         print(f"deft-compile bench --time-to-accuracy: {error}", file=sys.stderr)
         return 2
