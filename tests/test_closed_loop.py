@@ -567,7 +567,7 @@ def test_a_float32_replan_keeps_the_priority_order_it_measured_fastest():
     from deft_compile.planner.closed_loop import REWIRED_DUEL, narrows_kept
     from deft_compile.step.closed_loop import ClosedLoop
     from deft_compile.timing import Elapsed
-    from wire_plans import kept_wire_plans
+    from wire_plans import kept_wire_plans, replan_keeping
 
     profile, buckets16, usbyte16, replan = kept_wire_plans()
 
@@ -599,28 +599,49 @@ def test_a_float32_replan_keeps_the_priority_order_it_measured_fastest():
         assert not narrows_kept(profile, step.plan, ["p3"]) and loop._sync_pick == step.plan.hash()
         assert "won the duel of synchronous plans" in step.plan_history[-1]["reason"]
 
-    # no duels configured: the re-plan is measured alone, then the rebuilt order, and the synchronous plan is
-    # chosen again between them (the priority order only where it measured min_gain faster)
-    for rebuilt_ms, winner in ((80.0, "usbyte"), (99.0, "deft")):
+    # no duels configured: the re-plan is measured alone, then the rebuilt order, and the faster of the two runs
+    # (the priority order only where it measured min_gain, 1 %, faster); no refinement follows, whatever the loop
+    # refined before, since its re-plan would solve without the kept wire
+    for rebuilt_ms, winner, refined in ((80.0, "usbyte", True), (98.5, "usbyte", False), (99.5, "deft", False)):
         step = Step(profile=profile, policy="deft", plan=usbyte16, plan_switches=0, plan_history=[], step_count=0,
                     process_group=object())
         loop = ClosedLoop(ClosedLoopConfig(duel_rounds=0, warmup_steps=1, measure_steps=3, min_window_ms=0.0))
         loop._agree = lambda _step, *values: list(values)
-        loop._refined = True  # the profile was refined before it settled
+        loop._refined = refined
         loop.measured = {buckets16.hash(): (buckets16, 100.0), usbyte16.hash(): (usbyte16, 85.0)}
         loop.state, loop._sync_pick = "settled", usbyte16.hash()
         loop.after_step(step, Elapsed(85.0))
         step.switch_plan({}, "Preserver: float32 for p3", plan=replan)
         loop.after_step(step, Elapsed(100.0))
-        assert loop.state == "trial" and loop._sync_pick is None and not loop.measured
+        assert loop.state == "trial" and not loop.measured
         for _ in range(40):
             if loop.state != "trial":
                 break
             loop.after_step(step, Elapsed(rebuilt_ms if step.plan.policy == "usbyte" else 100.0))
         assert loop.state == "settled" and step.plan.policy == winner, (rebuilt_ms, step.plan_history)
-        assert sorted(p.policy for p, _ in loop.measured.values()) == ["deft", "usbyte"]
+        assert sorted(p.policy for p, _ in loop.measured.values()) == ["deft", "usbyte"], "no refined re-plan ran"
         assert not any(narrows_kept(profile, p, ["p3"]) for p, _ in loop.measured.values())
-        assert loop._sync_pick == step.plan.hash()
+        assert loop._sync_pick == step.plan.hash() and "measured alone after the re-plan" in (
+            step.plan_history[-1]["reason"])
+
+    # a re-plan by someone else while the re-plan is measured alone is decided afresh: a second one that keeps p2
+    # float32 too retires the rebuilt order queued for p3 alone, and the loop measures one rebuilt for both
+    replan2 = replan_keeping(profile, ["p3", "p2"])
+    assert not narrows_kept(profile, replan2, ["p2", "p3"])
+    step = Step(profile=profile, policy="deft", plan=usbyte16, plan_switches=0, plan_history=[], step_count=0,
+                process_group=object())
+    loop = ClosedLoop(ClosedLoopConfig(duel_rounds=0, warmup_steps=1, measure_steps=3, min_window_ms=0.0))
+    loop._agree = lambda _step, *values: list(values)
+    loop.measured = {buckets16.hash(): (buckets16, 100.0), usbyte16.hash(): (usbyte16, 85.0)}
+    loop.state, loop._sync_pick = "settled", usbyte16.hash()
+    loop.after_step(step, Elapsed(85.0))
+    step.switch_plan({}, "Preserver: float32 for p3", plan=replan)
+    loop.after_step(step, Elapsed(100.0))
+    first_stand_in = loop._queue[0][0]
+    step.switch_plan({}, "Preserver: float32 for p2 too", plan=replan2)
+    loop.after_step(step, Elapsed(100.0))
+    assert loop.state == "trial" and loop._queue and loop._queue[0][0].hash() != first_stand_in.hash()
+    assert not narrows_kept(profile, loop._queue[0][0], ["p2", "p3"])
 
 
 def test_a_settled_plan_with_delays_that_slows_down_duels_again_and_goes_synchronous(outcome):

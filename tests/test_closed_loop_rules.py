@@ -9,16 +9,15 @@ import pathlib
 from types import SimpleNamespace
 
 from deft_compile.planner.closed_loop import (
-    REWIRED_DUEL,
-    SYNCHRONOUS_DUEL,
     ClosedLoopConfig,
     Duel,
     MeasureAlone,
+    REWIRED_DUEL,
+    SYNCHRONOUS_DUEL,
     Settle,
     StartDuel,
     adjust_options,
     after_replan,
-    wires,
     choose_synchronous,
     decide,
     duel_block_steps,
@@ -28,9 +27,12 @@ from deft_compile.planner.closed_loop import (
     measured_times,
     narrows_kept,
     priority_schedule_for,
+    retire_for_replan,
     retired_by_wire,
+    settle_between,
     synchronous_stand_in,
     trial_queue,
+    wires,
 )
 from deft_compile.planner.refine import refine_profile, thread_ms_of
 from deft_compile.planner.solvers import solve
@@ -145,6 +147,10 @@ def test_a_replan_that_keeps_float32_rebuilds_the_chosen_order_on_its_wires():
         [buckets16.hash(), usbyte16.hash()], usbyte16)
     assert retired_by_wire(before, profile, ["p3"], is_synchronous, replan.hash()) == (
         [buckets16.hash(), usbyte16.hash()], None), "the chosen plan keeps p3 float32: no stand-in"
+    kept, rebuilt = retire_for_replan(before, replan, profile, ["p3"], "deft", is_synchronous, usbyte16.hash(), None)
+    assert list(kept) == [replan.hash()] and rebuilt.hash() == stand_in.hash()
+    assert retire_for_replan(before, replan, profile, ["p3"], "deft", is_synchronous, replan.hash(), None) == (
+        {replan.hash(): before[replan.hash()]}, None)
     # the measured plans that narrow p3 are retired by the loop: nothing synchronous measured is left
     assert after_replan(replan, {}, is_synchronous, stand_in.hash(), CONFIG, stand_in) == StartDuel(
         stand_in, replan, REWIRED_DUEL)
@@ -155,8 +161,15 @@ def test_a_replan_that_keeps_float32_rebuilds_the_chosen_order_on_its_wires():
     # synchronous plan is then chosen again among the measured ones
     alone = ClosedLoopConfig(duel_rounds=0)
     assert after_replan(replan, {}, is_synchronous, stand_in.hash(), alone, stand_in) == MeasureAlone(
-        then=(stand_in,), choose_again=True)
+        then=(stand_in,), between=(replan.hash(), stand_in.hash()))
     assert after_replan(STALE, {}, is_synchronous, stand_in.hash(), alone, stand_in) == MeasureAlone(then=(stand_in,))
+    # measured alone, the decision is between the two only: the priority order where min_gain (1 %) faster, else
+    # the re-plan; a faster plan measured earlier (a plan with delays) is not among them
+    between = (replan.hash(), stand_in.hash())
+    for stand_in_ms, winner in ((98.5, stand_in), (99.5, replan)):
+        record = measured((stand_in, stand_in_ms), (replan, 100.0), (STALE, 50.0))
+        decision = settle_between(record, between, is_synchronous, alone)
+        assert isinstance(decision, Settle) and decision.plan is winner, (stand_in_ms, decision.why)
     # measured already (the duel ran): decided from the measurements as before
     record = measured((stand_in, 80.0), (replan, 100.0))
     decision = after_replan(replan, record, is_synchronous, stand_in.hash(), CONFIG, stand_in)

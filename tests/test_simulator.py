@@ -404,8 +404,8 @@ def test_the_refinement_simulates_a_plan_once_per_link_to_compute_ratio() -> Non
     """Every time the simulator forms is a sum or a maximum of compute and link times, so scaling both by ``a``
     scales the step and its overlap by ``a``: ``scaled_parts`` simulates a plan once per ratio ``link / compute``
     and multiplies. Its parts equal ``contention_parts`` of the scaled profile to round-off (plans with delays,
-    priorities, per-layer waits and periods, one link and two, message CPU time), and the 13 x 13 coarse grid of
-    ``refine_scales`` runs 25 simulations per plan, not 169."""
+    priorities, per-layer waits and periods, one link and two, message CPU time), and ``refine_scales``'s three
+    grids (up to 169, 81 and 81 points) run one simulation per ratio, at most 25 + 17 + 17."""
     import dataclasses
 
     from deft_compile.planner import refine
@@ -440,4 +440,7 @@ def test_the_refinement_simulates_a_plan_once_per_link_to_compute_ratio() -> Non
         refine.refine_scales(measured, scaled_parts(profile), contention=0.0, fit_link=True)
     finally:
         ScaledSimulation.run = original
-    assert len(runs) < 25 + 2 * 17, len(runs)  # three grids of 169, 81 and 81 points
+    # three grids of up to 169, 81 and 81 points, one simulation per ratio bin, each at compute 1
+    assert all(args[0] == 1.0 for args in runs)
+    bins = {round(math.log(args[1]) / refine.RATIO_RESOLUTION) for args in runs}
+    assert len(runs) == len(bins) <= 25 + 2 * 17, (len(runs), len(bins))

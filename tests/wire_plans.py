@@ -13,9 +13,15 @@ def kept_wire_plans():
     the Preserver's synchronous re-plan that keeps ``p3`` float32)."""
     profile = Profile([ParamProfile(f"p{i}", 250_000, "float32", 1.0, 1.0, 0.0, layer=3 - i) for i in range(4)],
                       [LinkCost("l", 0.5, 1e-6)])
-    options = {"first_bucket_bytes": 1_000_000, "bucket_cap_bytes": 1_000_000, "max_staleness": 0,
-               "wire_prices": {"float16": {f"p{i}": 1e-4 for i in range(4)}}}
-    buckets16 = solve(profile, "deft", **options)
+    buckets16 = solve(profile, "deft", **_OPTIONS)
     usbyte16 = priority_plan_with_wire(profile, "usbyte", wire_by_param(buckets16))
-    replan = solve(profile, "deft", keep_float32=["p3"], **options)
-    return profile, buckets16, usbyte16, replan
+    return profile, buckets16, usbyte16, replan_keeping(profile, ["p3"])
+
+
+_OPTIONS = {"first_bucket_bytes": 1_000_000, "bucket_cap_bytes": 1_000_000, "max_staleness": 0,
+            "wire_prices": {"float16": {f"p{i}": 1e-4 for i in range(4)}}}
+
+
+def replan_keeping(profile, kept: list[str]):
+    """The Preserver's synchronous re-plan of ``kept_wire_plans``' profile that keeps ``kept`` float32."""
+    return solve(profile, "deft", keep_float32=kept, **_OPTIONS)

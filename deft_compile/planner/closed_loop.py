@@ -79,8 +79,9 @@ overlap the model does not capture), the plan may be wrong. The loop:
    against a synchronous re-plan (``REWIRED_DUEL``; a priority order measured
    faster is not dropped for DDP's buckets because a bucket's wire changed), or as
    the plan a re-plan with delays must beat. With no duels configured
-   (``duel_rounds=0``) it is measured alone after the re-plan (``MeasureAlone``),
-   and the synchronous plan is chosen again among the measured ones.
+   (``duel_rounds=0``) it is measured alone after the re-plan (``MeasureAlone``):
+   beside a synchronous re-plan the faster of the two runs (``settle_between``),
+   and a re-plan with delays must beat it.
 
 A plan with update periods has steps of different lengths (communication every
 K-th step): its time is the median over whole K-step cycles of the cycle's mean
@@ -93,6 +94,7 @@ Every decision is appended to ``CompiledStep.plan_history`` (key
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -299,6 +301,20 @@ def synchronous_stand_in(chosen, replan, profile, policy: str, synchronous: IsSy
     return replan if synchronous(replan) else synchronous_candidate(policy, replan, profile, solve_own)
 
 
+def retire_for_replan(measured: Measured, replan, profile, kept: Sequence[str], policy: str,
+                      synchronous: IsSynchronous, pick: str | None, solve_own: Callable[[dict], Any]):
+    """After a re-plan that keeps the parameters ``kept`` float32: (the measured plans without those that narrow
+    one of them (``retired_by_wire``), the stand-in of the synchronous plan chosen if it was among them
+    (``synchronous_stand_in``, measured next), else None)."""
+    retired, chosen = retired_by_wire(measured, profile, kept, synchronous, pick)
+    kept_plans = {h: entry for h, entry in measured.items() if h not in retired}
+    if chosen is None:
+        return kept_plans, None
+    log.info("closed loop: %d measured plan(s) narrow parameters the re-plan keeps float32 (%s): retired; %s's "
+             "order measured again on the re-plan's wires", len(retired), ", ".join(kept), chosen.policy)
+    return kept_plans, synchronous_stand_in(chosen, replan, profile, policy, synchronous, solve_own)
+
+
 @dataclass
 class Duel:
     """Interleaved rounds of a challenger (``plans[0]``: a plan with delays or periods; in a ``SYNCHRONOUS_DUEL`` a
@@ -407,11 +423,25 @@ class StartDuel:
 @dataclass(frozen=True)
 class MeasureAlone:
     """Measure the running plan on its own (no duel configured), then each plan of ``then`` in turn, then decide
-    from the measurements; ``choose_again``: the synchronous plan is chosen afresh among those measured
-    (``choose_synchronous``), as a duel of synchronous plans would choose it."""
+    from the measurements; ``between``: the hashes of the synchronous plans the decision is between
+    (``settle_between``, as a duel of synchronous plans would decide), or empty for the usual decision."""
 
     then: tuple = ()
-    choose_again: bool = False
+    between: tuple[str, ...] = ()
+
+
+def settle_between(measured: Measured, between: Sequence[str], synchronous: IsSynchronous,
+                   config: ClosedLoopConfig) -> Settle:
+    """The synchronous plan to run among the measured plans ``between`` (hashes; each measured): the priority plan
+    where it measured ``min_gain`` faster than DDP's buckets (``choose_synchronous`` without a duel), else the
+    fastest. Only these: another measured plan would undo the re-plan's wire or bring back delays it did not
+    choose."""
+    chosen = {h: measured[h] for h in between}
+    pick = choose_synchronous(chosen, synchronous, dataclasses.replace(config, duel_rounds=0))
+    plan, ms = chosen[pick] if isinstance(pick, str) else min(chosen.values(), key=lambda entry: entry[1])
+    others = ", ".join(f"{p.policy} {t:.1f} ms" for h, (p, t) in chosen.items() if h != plan.hash())
+    return Settle(plan, ms, f"measured alone after the re-plan, {plan.policy}'s synchronous plan runs ({ms:.1f} "
+                  f"ms; {others})")
 
 
 def fastest_synchronous(measured: Measured, synchronous: IsSynchronous, pick: str | None) -> tuple[Any, float]:
@@ -473,7 +503,8 @@ def after_replan(plan, measured: Measured, synchronous: IsSynchronous, pick: str
     from that measurement at once, an unmeasured plan with delays duels the synchronous plan. None: ``plan``
     runs on. ``stand_in``: the synchronous plan chosen, rebuilt on the re-plan's wires (``synchronous_stand_in``)
     where the re-plan keeps float32 what that plan narrowed; unmeasured, it is measured in a duel: against a
-    synchronous re-plan (``REWIRED_DUEL``) or as the synchronous plan a re-plan with delays must beat."""
+    synchronous re-plan (``REWIRED_DUEL``) or as the synchronous plan a re-plan with delays must beat. With no
+    duels configured (``duel_rounds=0``) it is measured alone after the re-plan (``MeasureAlone``)."""
     fresh = stand_in is not None and stand_in.hash() not in measured and stand_in.hash() != plan.hash()
     known = measured.get(plan.hash())
     if synchronous(plan):
@@ -490,7 +521,7 @@ def after_replan(plan, measured: Measured, synchronous: IsSynchronous, pick: str
                               {"replaced": {"plan_hash": plan.hash(), "measured_ms": known[1] if known else None}})
         if fresh:
             return (StartDuel(stand_in, plan, REWIRED_DUEL) if config.duel_rounds > 0
-                    else MeasureAlone(then=(stand_in,), choose_again=True))
+                    else MeasureAlone(then=(stand_in,), between=(plan.hash(), stand_in.hash())))
         return None
     if fresh:
         return StartDuel(plan, stand_in, "re-plan") if config.duel_rounds > 0 else MeasureAlone(then=(stand_in,))

@@ -54,23 +54,22 @@ def contention_parts(profile, plan) -> tuple[float, float]:
 def scaled_parts(profile) -> Callable[..., tuple[float, float]]:
     """``simulate_parts`` for ``refine_scales`` and ``refine_from_threads``: ``(plan, compute, link, latency=None)``
     -> ``contention_parts`` of ``scaled_profile(profile, compute, link, latency=latency)``, each plan's structure
-    flattened once (``ScaledSimulation``; the same numbers, a few times faster than scaling the profile).
+    flattened once (``ScaledSimulation``; the same numbers to round-off, a few times faster than scaling the
+    profile). The profile is read when a plan is first simulated: change it and make new parts.
 
     Without ``latency`` (one factor for the whole link) a plan is simulated once per link-to-compute ratio: every
     time the simulator forms is a sum or a maximum of compute and link times (and the overlap is a length of
     time), so scaling both by ``compute`` scales both parts by it, and ``parts(plan, a, b)`` is ``a`` times
-    ``parts(plan, 1, b / a)``. The log grids of ``refine_scales`` hold 13 x 13 and 9 x 9 points on 25 and 17
-    ratios. Ratios within ``RATIO_RESOLUTION`` of one another share the simulation (a relative change of the
-    times below 1e-9, far under any measurement)."""
+    ``parts(plan, 1, b / a)``. The log grids of ``refine_scales`` hold up to 13 x 13 and 9 x 9 points on at
+    most 25 and 17 ratios. Ratios within ``RATIO_RESOLUTION`` of one another share the simulation (a relative
+    change of the times below 1e-9, far under any measurement)."""
     simulations: dict[int, tuple[Any, ScaledSimulation]] = {}
     by_ratio: dict[tuple[int, int], tuple[float, float]] = {}
 
     def parts(plan, compute: float, link: float, latency: float | None = None) -> tuple[float, float]:
         entry = simulations.get(id(plan))
-        if entry is None or entry[0] is not plan:
+        if entry is None:  # the entry holds the plan, so no other plan takes its id while the parts live
             entry = simulations[id(plan)] = (plan, ScaledSimulation(profile, plan))
-            for key in [key for key in by_ratio if key[0] == id(plan)]:  # a new plan at a reused id
-                del by_ratio[key]
         if latency is None and compute > 0 and link > 0:
             key = (id(plan), round(math.log(link / compute) / RATIO_RESOLUTION))
             unit = by_ratio.get(key)

@@ -46,9 +46,9 @@ from deft_compile.planner.closed_loop import (
     plan_step_ms,
     priority_schedule_for,
     refined_plan,
-    retired_by_wire,
+    retire_for_replan,
+    settle_between,
     rounds_disagree,
-    synchronous_stand_in,
     trial_queue,
     window_steps,
     worst_gap,
@@ -142,6 +142,7 @@ class ClosedLoop:
         # later deft re-plans carry their synchronous parameters on it (``adjust_options``)
         self.priority_schedule: str | None = None
         self._kept: tuple[str, ...] = ()  # the running re-plan's ``keep_float32`` as last seen (``_retire_narrowed``)
+        self._alone: MeasureAlone | None = None  # a re-plan measured alone (no duels), until decided
 
     @property
     def scales(self) -> tuple[float, float]:
@@ -207,9 +208,8 @@ class ClosedLoop:
             self.duel.restart_block()
             self._switch(step, self.duel.current, "closed loop duel", record=False)
             return
-        if self.state in ("settled", "duel"):
-            self.duel = None
-            self.state = "settled"
+        if self.state in ("settled", "duel") or self._alone is not None:  # a re-plan measured alone: a new re-plan
+            self.duel, self.state, self._alone = None, "settled", None
             self._after_replan(step)
 
     def _after_replan(self, step: PlannedStep) -> None:
@@ -218,21 +218,15 @@ class ClosedLoop:
                                        stand_in))
 
     def _retire_narrowed(self, step: PlannedStep):
-        """Where the re-plan keeps more parameters float32, forget the measured plans that narrow one of them
-        (``retired_by_wire``); the stand-in of the synchronous plan chosen, if that was one (measured next)."""
+        """Where the re-plan keeps more parameters float32, forget the measured plans that narrow one of them; the
+        stand-in of the synchronous plan chosen, if that was one (``retire_for_replan``)."""
         kept = tuple(step.plan.options.get("keep_float32", ()))
         if kept == self._kept:
             return None
         self._kept = kept
-        retired, chosen = retired_by_wire(self.measured, step.profile, kept, self._synchronous, self._sync_pick)
-        for h in retired:
-            del self.measured[h]
-        if chosen is None:
-            return None
-        stand_in = synchronous_stand_in(chosen, step.plan, step.profile, step.policy, self._synchronous, step.solve)
-        self._sync_pick = stand_in.hash()
-        log.info("closed loop: %d measured plan(s) narrow parameters the re-plan keeps float32 (%s): retired; %s's "
-                 "order measured again on the re-plan's wires", len(retired), ", ".join(kept), chosen.policy)
+        self.measured, stand_in = retire_for_replan(self.measured, step.plan, step.profile, kept, step.policy,
+                                                    self._synchronous, self._sync_pick, step.solve)
+        self._sync_pick = stand_in.hash() if stand_in is not None else self._sync_pick
         return stand_in
 
     # -- measuring ----------------------------------------------------------------------------
@@ -367,7 +361,14 @@ class ClosedLoop:
     # -- decisions ------------------------------------------------------------------------------
     def _decide(self, step: PlannedStep) -> None:
         """Every candidate measured one after the other: choose the synchronous plan (a duel when that is close),
-        then duel the best plan with delays against it, or settle."""
+        then duel the best plan with delays against it, or settle. After a re-plan measured alone, between the plans
+        it names (``MeasureAlone.between``)."""
+        alone, self._alone = self._alone, None
+        if alone is not None and alone.between:
+            decision = settle_between(self.measured, alone.between, self._synchronous, self.config)
+            self._sync_pick = decision.plan.hash()
+            self._apply(step, decision)
+            return
         if self._sync_pick is None:
             choice = choose_synchronous(self.measured, self._synchronous, self.config)
             if isinstance(choice, StartDuel):
@@ -381,10 +382,9 @@ class ClosedLoop:
             self._settle(step, decision.plan, decision.ms, decision.why, **decision.extra)
         elif isinstance(decision, StartDuel):
             self._start_duel(step, decision.challenger, decision.incumbent, decision.why)
-        elif isinstance(decision, MeasureAlone):  # no duel configured: measure it on its own first
-            self.state = "trial"
+        elif isinstance(decision, MeasureAlone):  # no duel configured: measure it on its own first (no refinement:
+            self.state, self._alone, self._refined = "trial", decision, True  # its re-plan would drop the wires)
             self._queue = [(plan, "measured alone after a re-plan (no duels)") for plan in decision.then]
-            self._sync_pick = None if decision.choose_again else self._sync_pick  # chosen again once measured
 
     def _fastest_synchronous(self):
         return fastest_synchronous(self.measured, self._synchronous, self._sync_pick)
