@@ -37,7 +37,7 @@ from deft_compile.planner.closed_loop import (
 from deft_compile.planner.refine import refine_profile, thread_ms_of
 from deft_compile.planner.solvers import solve
 from deft_compile.planner.zoo_profiles import build_profile
-from wire_plans import kept_wire_plans
+from wire_plans import kept_wire_plans, replan_keeping
 
 CONFIG = ClosedLoopConfig()
 
@@ -151,6 +151,14 @@ def test_a_replan_that_keeps_float32_rebuilds_the_chosen_order_on_its_wires():
     assert list(kept) == [replan.hash()] and rebuilt.hash() == stand_in.hash()
     assert retire_for_replan(before, replan, profile, ["p3"], "deft", is_synchronous, replan.hash(), None) == (
         {replan.hash(): before[replan.hash()]}, None)
+    # a stand-in an earlier re-plan queued and nobody measured stays the plan to measure, rebuilt where a later
+    # re-plan keeps one more of its parameters float32
+    replan2 = replan_keeping(profile, ["p3", "p2"])
+    assert retire_for_replan({}, replan, profile, ["p3"], "deft", is_synchronous, None, None, (stand_in,)) == (
+        {}, stand_in)
+    _, rebuilt2 = retire_for_replan({}, replan2, profile, ["p3", "p2"], "deft", is_synchronous, None, None, (stand_in,))
+    assert rebuilt2.policy == "usbyte" and narrows_kept(profile, stand_in, ["p2"])
+    assert not narrows_kept(profile, rebuilt2, ["p3", "p2"])
     # the measured plans that narrow p3 are retired by the loop: nothing synchronous measured is left
     assert after_replan(replan, {}, is_synchronous, stand_in.hash(), CONFIG, stand_in) == StartDuel(
         stand_in, replan, REWIRED_DUEL)

@@ -302,12 +302,18 @@ def synchronous_stand_in(chosen, replan, profile, policy: str, synchronous: IsSy
 
 
 def retire_for_replan(measured: Measured, replan, profile, kept: Sequence[str], policy: str,
-                      synchronous: IsSynchronous, pick: str | None, solve_own: Callable[[dict], Any]):
+                      synchronous: IsSynchronous, pick: str | None, solve_own: Callable[[dict], Any],
+                      pending: tuple = ()):
     """After a re-plan that keeps the parameters ``kept`` float32: (the measured plans without those that narrow
     one of them (``retired_by_wire``), the stand-in of the synchronous plan chosen if it was among them
-    (``synchronous_stand_in``, measured next), else None)."""
+    (``synchronous_stand_in``, measured next), else None). ``pending``: the stand-in an earlier re-plan queued and
+    nobody measured yet; it stays the plan to measure, rebuilt where it narrows a parameter now kept."""
     retired, chosen = retired_by_wire(measured, profile, kept, synchronous, pick)
     kept_plans = {h: entry for h, entry in measured.items() if h not in retired}
+    if chosen is None and pending:
+        chosen = pending[0]
+        if not narrows_kept(profile, chosen, kept):
+            return kept_plans, chosen
     if chosen is None:
         return kept_plans, None
     log.info("closed loop: %d measured plan(s) narrow parameters the re-plan keeps float32 (%s): retired; %s's "

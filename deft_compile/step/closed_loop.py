@@ -119,8 +119,7 @@ class ClosedLoop:
         self.measured: dict[str, tuple[Any, float]] = {}  # plan hash -> (plan, agreed measured ms)
         # plan hash -> agreed CPU ms per step of the step's thread, from its sequential window (``compute_floor``)
         self.compute_cpu: dict[str, float] = {}
-        # plan hash -> agreed run-queue ms per step of the step's thread (time it was ready while another thread held
-        # its core), from the same window (``measured_contention``)
+        # plan hash -> agreed run-queue ms per step of the step's thread, from the same window (``measured_contention``)
         self.run_queue: dict[str, float] = {}
         self.min_compute = 0.0  # the refinement's least compute factor (``compute_floor``), once refined
         self.refinement: Refinement | None = None  # what the refinement fitted or measured, once it ran
@@ -209,23 +208,24 @@ class ClosedLoop:
             self._switch(step, self.duel.current, "closed loop duel", record=False)
             return
         if self.state in ("settled", "duel") or self._alone is not None:  # a re-plan measured alone: a new re-plan
+            pending = self._alone.then if self._alone is not None else ()  # still to measure: it carries over
             self.duel, self.state, self._alone = None, "settled", None
-            self._after_replan(step)
+            self._after_replan(step, pending)
 
-    def _after_replan(self, step: PlannedStep) -> None:
-        stand_in = self._retire_narrowed(step)
+    def _after_replan(self, step: PlannedStep, pending: tuple = ()) -> None:
+        stand_in = self._retire_narrowed(step, pending)
         self._apply(step, after_replan(step.plan, self.measured, self._synchronous, self._sync_pick, self.config,
                                        stand_in))
 
-    def _retire_narrowed(self, step: PlannedStep):
+    def _retire_narrowed(self, step: PlannedStep, pending: tuple = ()):
         """Where the re-plan keeps more parameters float32, forget the measured plans that narrow one of them; the
-        stand-in of the synchronous plan chosen, if that was one (``retire_for_replan``)."""
+        stand-in of the synchronous plan chosen, if that was one, or of the one ``pending`` (``retire_for_replan``)."""
         kept = tuple(step.plan.options.get("keep_float32", ()))
         if kept == self._kept:
-            return None
+            return pending[0] if pending else None
         self._kept = kept
         self.measured, stand_in = retire_for_replan(self.measured, step.plan, step.profile, kept, step.policy,
-                                                    self._synchronous, self._sync_pick, step.solve)
+                                                    self._synchronous, self._sync_pick, step.solve, pending)
         self._sync_pick = stand_in.hash() if stand_in is not None else self._sync_pick
         return stand_in
 
