@@ -280,6 +280,145 @@ def capture_step(
     )
 
 
+def recapture_with_state(captured: CapturedStep, optimizer: torch.optim.Optimizer,
+                         state_inputs: list[StateSlot]) -> CapturedStep | None:
+    """``captured`` with the optimizer's update traced again for the state tensors ``state_inputs`` (optimizer
+    state that appeared since, such as a delayed bucket's first update), its forward and backward nodes reused:
+    what ``capture_step`` would trace for them, for the update's trace alone (the forward and backward are half
+    to most of a capture). None where the capture does not split there: no gradient reaches the update, or a node
+    before the update reads an optimizer-state input.
+
+    The split: ``make_fx`` records ops in the order they run, and the capture marks every gradient
+    (``deft.gradient``) after the backward and before the update, so the nodes up to the last marker are the
+    forward and backward. The update is traced on the capture's own example values (its shape environment, so a
+    symbolic capture stays one), its inputs mapped onto the capture's parameters, gradient markers and
+    hyper-parameter inputs and onto new state inputs."""
+    gm, layout = captured.graph_module, captured.graph_module.meta["deft_layout"]
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    markers = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target is ops.GRADIENT]
+    output = nodes[-1]
+    if not markers or output.op != "output":
+        return None
+    prefix = nodes[: markers[-1] + 1]
+    num_params, num_buffers = captured.num_params, captured.num_buffers
+    old_states = placeholders[num_params + num_buffers : num_params + num_buffers + len(captured.state_inputs)]
+    if any(user in prefix for state in old_states for user in state.users):
+        return None
+    outputs = output.args[0]
+    loss, gradients = outputs[0], outputs[len(outputs) - len(captured.gradient_outputs):]
+    rest = placeholders[num_params + num_buffers + len(old_states):]
+    hyper = rest[captured.num_user_inputs : captured.num_user_inputs + len(layout.hyper_inputs)]
+    params = [n.meta["val"] for n in placeholders[:num_params]]
+    live = captured.model_state.params
+    states = [_example_state(params[i], optimizer.state[live[i]][key]) for i, key in state_inputs]
+    hyper_slots = list(layout.hyper_inputs)
+    state_outputs: list[StateSlot] = []
+    extra_state: dict[int, dict[str, Any]] = {}
+    index_of = captured.model_state.index_of()
+
+    def update(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        traced_params = list(flat[:num_params])
+        grads = flat[num_params : num_params + len(gradients)]
+        state_values = flat[num_params + len(gradients) : num_params + len(gradients) + len(states)]
+        values = flat[num_params + len(gradients) + len(states):]
+        hyperparameters = traced_hyperparameters(hyper_slots, [value.item() for value in values])
+        for index, grad in zip(captured.gradient_outputs, grads):
+            traced_params[index].grad = grad
+        initial = _initial_state(optimizer, captured.model_state, state_inputs, state_values)
+        with traceable_optimizer(optimizer, traced_params, index_of, initial, hyperparameters) as traced:
+            optimizer.step()
+            return tuple(_new_state(traced, traced_params, {id(t) for t in state_values}, state_outputs, extra_state))
+
+    examples = [*params, *[g.meta["val"] for g in gradients], *states, *[h.meta["val"] for h in hyper]]
+    saved = [(p, p.grad) for p in params]
+    try:
+        with _compile_session(), no_autocast():
+            traced_update = make_fx(update, tracing_mode="symbolic" if captured.symbolic is not None else "fake",
+                                    _allow_non_fake_inputs=True)(*examples)
+    finally:
+        for p, grad in saved:
+            p.grad = grad
+    return _spliced(captured, prefix, placeholders, old_states, loss, gradients, hyper, traced_update, state_inputs,
+                    states, state_outputs, extra_state)
+
+
+_ITEM = torch.ops.aten._local_scalar_dense.default
+
+
+def _example_state(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A state tensor's example value in the capture's fake mode (that of ``param``'s example)."""
+    return param.fake_mode.from_tensor(value, static_shapes=True) if hasattr(param, "fake_mode") else value
+
+
+def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[fx.Node], old_states: list[fx.Node],
+             loss: fx.Node, gradients: Sequence[fx.Node], hyper: list[fx.Node], traced_update: fx.GraphModule,
+             state_inputs: list[StateSlot], states: list[torch.Tensor], state_outputs: list[StateSlot],
+             extra_state: dict[int, dict[str, Any]]) -> CapturedStep:
+    """The capture's forward and backward (``prefix``) followed by ``traced_update``'s nodes, with the state inputs
+    ``state_inputs`` in place of the capture's: its graph, layout and ``CapturedStep``."""
+    gm = captured.graph_module
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attributes: dict[str, Any] = {}
+    first_state = captured.num_params + captured.num_buffers
+    for node in placeholders[:first_state]:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    new_states = []
+    for (index, key), example in zip(state_inputs, states):
+        placeholder = graph.placeholder(f"state_{index}_{key}")
+        placeholder.meta["val"] = example
+        new_states.append(placeholder)
+    for node in placeholders[first_state + len(old_states):]:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    update_nodes = list(traced_update.graph.nodes)
+    update_inputs = [n for n in update_nodes if n.op == "placeholder"]
+    sources = [*placeholders[: captured.num_params], *gradients]
+    update_env = {u: env[s] for u, s in zip(update_inputs, sources) if s in env}
+    update_env.update(zip(update_inputs[len(sources) : len(sources) + len(new_states)], new_states))
+    update_env.update({u: env[h] for u, h in zip(update_inputs[len(sources) + len(new_states):], hyper)})
+    for node in update_nodes:  # the update's reads of the hyper-parameters come first, as in a whole trace
+        if node.op == "call_function" and node.target is _ITEM and node.args[0] in update_env:
+            update_env[node] = graph.node_copy(node, lambda n: update_env[n])
+    for node in prefix:
+        if node.op == "placeholder":
+            continue
+        if node.op == "get_attr":
+            attributes[node.target] = getattr(gm, node.target)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    update_env.update({u: env[s] for u, s in zip(update_inputs, sources)})  # the gradient markers, now copied
+    update_output = None
+    for node in update_nodes:
+        if node.op == "placeholder" or node in update_env:
+            continue
+        if node.op == "output":
+            update_output = node
+            continue
+        copied = graph.node_copy(node, lambda n: update_env[n])
+        if node.op == "get_attr":
+            copied.target = f"_update_{node.target}"
+            attributes[copied.target] = getattr(traced_update, node.target)
+        update_env[node] = copied
+    new_state = [update_env[n] for n in update_output.args[0]]
+
+    def copied(node: fx.Node) -> fx.Node:  # the loss output is detached after the update: copy what it needs
+        if node not in env:
+            env[node] = graph.node_copy(node, copied)
+        return env[node]
+
+    graph.output((copied(loss), *new_state, *[env[g] for g in gradients]))
+    for node in [env[n] for n in prefix if n.op == "call_function" and n.target is _ITEM]:
+        if not node.users:  # the capture's reads of the hyper-parameters: the update read them again
+            graph.erase_node(node)
+    graph_module = fx.GraphModule(attributes, graph, class_name=type(gm).__name__)
+    graph_module.meta = {**gm.meta, CAPTURE_ID: next(_capture_ids)}
+    graph_module.meta["deft_layout"] = dataclasses.replace(gm.meta["deft_layout"], state_inputs=list(state_inputs),
+                                                           state_outputs=list(state_outputs))
+    check_no_random_after_forward(graph_module)
+    return dataclasses.replace(captured, graph_module=graph_module, state_inputs=list(state_inputs),
+                               state_outputs=list(state_outputs), extra_state=extra_state)
+
+
 def _examples(model_state: ModelState, optimizer: torch.optim.Optimizer, state_inputs: list[StateSlot],
               user_tensors: list[torch.Tensor], hyper_values: list[torch.Tensor], scale_loss: bool,
               dynamic_dims: frozenset[tuple[int, int]]) -> tuple[list[Any], SymbolicShapes | None]:

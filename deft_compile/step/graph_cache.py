@@ -32,7 +32,8 @@ from deft_compile.debug.dump import GraphDumper
 from deft_compile.errors import DeftError
 from deft_compile.passes.schedule import ItemPhase, ScheduledItem
 from deft_compile.planner.plan import Plan
-from deft_compile.step.capture import CapturedStep, StateSlot, ambient_autocast, capture_step, split_user_inputs
+from deft_compile.step.capture import (CapturedStep, StateSlot, ambient_autocast, capture_step, recapture_with_state,
+                                      split_user_inputs)
 from deft_compile.step.compensation import compensation_for
 from deft_compile.step.distributed import check_same_across_ranks
 from deft_compile.step.groups import StepGroups
@@ -67,6 +68,7 @@ class GraphCache:
         self._static_families: set[tuple] = set()  # families whose symbolic trace failed
         self.trace_count = 0  # step graphs built (passes run), one per miss
         self.capture_count = 0  # of those, the ones that traced the step (make_fx) instead of reusing a capture
+        self.update_recaptures = 0  # captures made from another by tracing only its update (new optimizer state)
         self.last_trace_seconds = 0.0
         self.graph_seconds = 0.0  # the capture's copy and the passes per step graph; captures apart
         self.capture_seconds = 0.0  # make_fx traces of the step (``_trace``)
@@ -95,12 +97,15 @@ class GraphCache:
         key = self.capture_key(user_tensors, constants, spec)
         captured = self.captures.get(key)
         if captured is None:
-            family, pattern = key
-            dynamic = frozenset((i, d) for i, shape in enumerate(pattern) for d, size in enumerate(shape) if size is None)
-            captured = self._trace(args, kwargs, dynamic)
-            if dynamic and captured.symbolic is None:  # the symbolic trace failed: this family stays static
-                key = (family, tuple(tuple(t.shape) for t in user_tensors))
-                captured = self.captures.get(key) or captured
+            captured = self._with_new_state(key)
+            if captured is None:
+                family, pattern = key
+                dynamic = frozenset((i, d) for i, shape in enumerate(pattern) for d, size in enumerate(shape)
+                                    if size is None)
+                captured = self._trace(args, kwargs, dynamic)
+                if dynamic and captured.symbolic is None:  # the symbolic trace failed: this family stays static
+                    key = (family, tuple(tuple(t.shape) for t in user_tensors))
+                    captured = self.captures.get(key) or captured
             self.captures[key] = captured
         self.captures.move_to_end(key)
         while len(self.captures) > max(2, self.config.max_cached_graphs // 2):
@@ -108,6 +113,28 @@ class GraphCache:
             for graph_key in [k for k in self.graphs if k[0] == evicted]:  # a graph never outlives its capture's
                 del self.graphs[graph_key]                                 # guards
         return captured
+
+    def _with_new_state(self, key: tuple) -> CapturedStep | None:
+        """A capture for ``key`` from a cached one that differs only in which optimizer state exists (a delayed
+        bucket's first update created some since), its update traced again (``recapture_with_state``); None where
+        there is none, or it does not split."""
+        family, shapes = key
+        for (other_family, other_shapes), captured in reversed(self.captures.items()):
+            if other_shapes != shapes or other_family[:-1] != family[:-1]:
+                continue
+            started = time.perf_counter()
+            try:
+                recaptured = recapture_with_state(captured, self.optimizer, list(family[-1]))
+            except Exception as exc:  # noqa: BLE001 - the whole trace that follows captures it, or names its error
+                log.debug("the update alone could not be traced (%s: %s); tracing the whole step", type(exc).__name__,
+                          exc)
+                recaptured = None
+            finally:
+                self.capture_seconds += time.perf_counter() - started
+            if recaptured is not None:
+                self.update_recaptures += 1
+                return recaptured
+        return None
 
     def capture_key(self, user_tensors: list[torch.Tensor], constants: list[Any], spec: Any) -> tuple:
         """Everything that changes the traced step (not what the passes do with it): the shape family's key and

@@ -287,8 +287,8 @@ class CompiledStep:
         (``planning_seconds``), tracing the step with ``make_fx`` (``capture_seconds``), copying the capture and
         running the passes per step graph (``graph_seconds``; not the Inductor compile, which ``compile_seconds`` sums
         from ``lowering.history``), the Preserver's staleness measurements (``probe_seconds``) and its copies and
-        paired replays for loss signals (``attribution_seconds``); with the counts of graphs built, of step traces
-        and of the Preserver's measurements by kind (``staleness_probes``: two eager passes each, ``wire_probes``:
+        paired replays for loss signals (``attribution_seconds``); with the counts of graphs built, of step traces,
+        of captures for new optimizer state that traced only the update, and of the Preserver's measurements by kind (``staleness_probes``: two eager passes each, ``wire_probes``:
         one)."""
         monitor = self.planning.monitor
         return {
@@ -300,6 +300,7 @@ class CompiledStep:
             "compile_seconds": sum(entry.get("seconds", 0.0) for entry in self.lowering.history),
             "graphs": self.runner.cache.trace_count,
             "captures": self.runner.cache.capture_count,
+            "update_recaptures": self.runner.cache.update_recaptures,
             "staleness_probes": monitor.measurements["staleness"] if monitor is not None else 0,
             "wire_probes": monitor.measurements["wire"] if monitor is not None else 0,
         }
