@@ -62,8 +62,8 @@ def _check_same(name: str, a: tuple, b: tuple) -> None:
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_one_capture_and_the_numbers_of_a_state_made_by_the_first_update(name, monkeypatch):
-    """Against the same step with the state left to the traced first update (captured twice): bit for bit, state
-    keys included; a parameter the loss never reaches gets no state."""
+    """Against the same step with the state left to the traced first update (the second call's update traced
+    again): bit for bit, state keys included; a parameter the loss never reaches gets no state."""
     torch.manual_seed(0)
     base = _WithUnused()
     initialized = _train(name, base, 4)

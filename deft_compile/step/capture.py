@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
@@ -284,9 +285,9 @@ def recapture_with_state(captured: CapturedStep, optimizer: torch.optim.Optimize
                          state_inputs: list[StateSlot]) -> CapturedStep | None:
     """``captured`` with the optimizer's update traced again for the state tensors ``state_inputs`` (optimizer
     state that appeared since, such as a delayed bucket's first update), its forward and backward nodes reused:
-    what ``capture_step`` would trace for them, for the update's trace alone (the forward and backward are half
-    to most of a capture). None where the capture does not split there: no gradient reaches the update, or a node
-    before the update reads an optimizer-state input.
+    the ops ``capture_step`` would trace for them, in the same order (a symbolic capture's scalar reads aside),
+    for the update's trace alone. None where the capture does not split there: no gradient reaches the update,
+    or a node before the update reads an optimizer-state input.
 
     The split: ``make_fx`` records ops in the order they run, and the capture marks every gradient
     (``deft.gradient``) after the backward and before the update, so the nodes up to the last marker are the
@@ -303,7 +304,8 @@ def recapture_with_state(captured: CapturedStep, optimizer: torch.optim.Optimize
     prefix = nodes[: markers[-1] + 1]
     num_params, num_buffers = captured.num_params, captured.num_buffers
     old_states = placeholders[num_params + num_buffers : num_params + num_buffers + len(captured.state_inputs)]
-    if any(user in prefix for state in old_states for user in state.users):
+    position = {node: i for i, node in enumerate(nodes)}
+    if any(position[user] <= markers[-1] for state in old_states for user in state.users):
         return None
     outputs = output.args[0]
     loss, gradients = outputs[0], outputs[len(outputs) - len(captured.gradient_outputs):]
@@ -367,7 +369,7 @@ def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[f
     new_states = []
     for (index, key), example in zip(state_inputs, states):
         placeholder = graph.placeholder(f"state_{index}_{key}")
-        placeholder.meta["val"] = example
+        placeholder.meta.update(val=example, tensor_meta=_extract_tensor_metadata(example))
         new_states.append(placeholder)
     for node in placeholders[first_state + len(old_states):]:
         env[node] = graph.node_copy(node, lambda n: env[n])
@@ -377,8 +379,9 @@ def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[f
     update_env = {u: env[s] for u, s in zip(update_inputs, sources) if s in env}
     update_env.update(zip(update_inputs[len(sources) : len(sources) + len(new_states)], new_states))
     update_env.update({u: env[h] for u, h in zip(update_inputs[len(sources) + len(new_states):], hyper)})
+    update_hyper = set(update_inputs[len(sources) + len(new_states):])
     for node in update_nodes:  # the update's reads of the hyper-parameters come first, as in a whole trace
-        if node.op == "call_function" and node.target is _ITEM and node.args[0] in update_env:
+        if node.op == "call_function" and node.target is _ITEM and node.args[0] in update_hyper:
             update_env[node] = graph.node_copy(node, lambda n: update_env[n])
     for node in prefix:
         if node.op == "placeholder":
@@ -407,7 +410,7 @@ def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[f
         return env[node]
 
     graph.output((copied(loss), *new_state, *[env[g] for g in gradients]))
-    for node in [env[n] for n in prefix if n.op == "call_function" and n.target is _ITEM]:
+    for node in [env[n] for n in prefix if n.op == "call_function" and n.target is _ITEM and n.args[0] in hyper]:
         if not node.users:  # the capture's reads of the hyper-parameters: the update read them again
             graph.erase_node(node)
     graph_module = fx.GraphModule(attributes, graph, class_name=type(gm).__name__)

@@ -71,7 +71,7 @@ class GraphCache:
         self.update_recaptures = 0  # captures made from another by tracing only its update (new optimizer state)
         self.last_trace_seconds = 0.0
         self.graph_seconds = 0.0  # the capture's copy and the passes per step graph; captures apart
-        self.capture_seconds = 0.0  # make_fx traces of the step (``_trace``)
+        self.capture_seconds = 0.0  # make_fx traces of the step (``_trace``) and of updates alone (``_with_new_state``)
         self._verified_signature: list | None = None
 
     def graph(self, args: tuple, kwargs: dict, items: list[ScheduledItem], phases: dict[int, ItemPhase],
@@ -97,7 +97,7 @@ class GraphCache:
         key = self.capture_key(user_tensors, constants, spec)
         captured = self.captures.get(key)
         if captured is None:
-            captured = self._with_new_state(key)
+            captured = self._with_new_state(key, user_tensors)
             if captured is None:
                 family, pattern = key
                 dynamic = frozenset((i, d) for i, shape in enumerate(pattern) for d, size in enumerate(shape)
@@ -114,20 +114,22 @@ class GraphCache:
                 del self.graphs[graph_key]                                 # guards
         return captured
 
-    def _with_new_state(self, key: tuple) -> CapturedStep | None:
+    def _with_new_state(self, key: tuple, user_tensors: list[torch.Tensor]) -> CapturedStep | None:
         """A capture for ``key`` from a cached one that differs only in which optimizer state exists (a delayed
-        bucket's first update created some since), its update traced again (``recapture_with_state``); None where
-        there is none, or it does not split."""
+        bucket's first update created some since; the state slots are the family key's last entry) and admits
+        these inputs, its update traced again (``recapture_with_state``); None where there is none, or it does
+        not split (then the whole step is traced, and a failure to split is logged)."""
         family, shapes = key
         for (other_family, other_shapes), captured in reversed(self.captures.items()):
-            if other_shapes != shapes or other_family[:-1] != family[:-1]:
+            if (other_shapes != shapes or other_family[:-1] != family[:-1]
+                    or (captured.symbolic is not None and not captured.symbolic.admits(user_tensors))):
                 continue
             started = time.perf_counter()
             try:
                 recaptured = recapture_with_state(captured, self.optimizer, list(family[-1]))
             except Exception as exc:  # noqa: BLE001 - the whole trace that follows captures it, or names its error
-                log.debug("the update alone could not be traced (%s: %s); tracing the whole step", type(exc).__name__,
-                          exc)
+                log.info("the update alone could not be traced (%s: %s); tracing the whole step", type(exc).__name__,
+                         exc)
                 recaptured = None
             finally:
                 self.capture_seconds += time.perf_counter() - started
@@ -164,7 +166,7 @@ class GraphCache:
             modes,
             ambient_autocast(),  # the forward's autocast regions are traced into the graph
             hyperparameter_key(self.optimizer),
-            tuple(self.existing_state_slots()),
+            tuple(self.existing_state_slots()),  # last: ``_with_new_state`` matches captures on everything before it
         )
 
     def existing_state_slots(self) -> list[StateSlot]:
@@ -237,9 +239,10 @@ class GraphCache:
         self.last_trace_seconds = time.perf_counter() - started
         self.graph_seconds += self.last_trace_seconds - (self.capture_seconds - captures_before)
         log.info(
-            "built step graph %d (%d traces; %s%s, %d nodes, %d communication items) in %.2f s",
+            "built step graph %d (%d traces, %d of an update alone; %s%s, %d nodes, %d communication items) in %.2f s",
             self.trace_count,
             self.capture_count,
+            self.update_recaptures,
             "flush" if flush else "step",
             ", with pending communication" if any(phase.pending_in or phase.accumulated_in for phase in phases.values())
             else "",

@@ -284,12 +284,13 @@ class CompiledStep:
     def overheads(self) -> dict[str, float | int]:
         """Wall-clock seconds this step spent outside training steps proper: the eager forward and backward
         before the first capture (the optimizer's state, the wire's price), profiling and solving the first plan
-        (``planning_seconds``), tracing the step with ``make_fx`` (``capture_seconds``), copying the capture and
-        running the passes per step graph (``graph_seconds``; not the Inductor compile, which ``compile_seconds`` sums
-        from ``lowering.history``), the Preserver's staleness measurements (``probe_seconds``) and its copies and
-        paired replays for loss signals (``attribution_seconds``); with the counts of graphs built, of step traces,
-        of captures for new optimizer state that traced only the update, and of the Preserver's measurements by kind (``staleness_probes``: two eager passes each, ``wire_probes``:
-        one)."""
+        (``planning_seconds``), tracing the step, or its update alone, with ``make_fx`` (``capture_seconds``),
+        copying the capture and running the passes per step graph (``graph_seconds``; not the Inductor compile,
+        which ``compile_seconds`` sums from ``lowering.history``), the Preserver's staleness measurements
+        (``probe_seconds``) and its copies and paired replays for loss signals (``attribution_seconds``); with the
+        counts of graphs built, of whole step traces (``captures``), of captures for new optimizer state that
+        traced the update alone (``update_recaptures``), and of the Preserver's measurements by kind
+        (``staleness_probes``: two eager passes each, ``wire_probes``: one)."""
         monitor = self.planning.monitor
         return {
             "planning_seconds": self.planning.seconds,
