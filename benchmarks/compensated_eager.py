@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # PlanReference's all-reduces
-    results: dict = {"command": "python benchmarks/compensated_eager.py " + " ".join(argv or sys.argv[1:]), "runs": {}}
+    results: dict = {"command": shlex.join(["python", "benchmarks/compensated_eager.py", *(argv or sys.argv[1:])]), "runs": {}}
     from deft_compile.tools.provenance import provenance
 
     results["provenance"] = provenance(command=results["command"])

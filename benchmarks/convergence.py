@@ -47,6 +47,7 @@ import copy
 import dataclasses
 import json
 import math
+import shlex
 import statistics
 import sys
 import sysconfig
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"({plan['delayed_bytes_share']:.0%} of bytes), periodic {plan['periodic_buckets']} "
                           f"(K={plan['max_period']}), plan changes: {[h['reason'] for h in plan['plan_history']]}",
                           flush=True)
-    command = "python benchmarks/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = shlex.join(["python", "benchmarks/convergence.py", *(argv if argv is not None else sys.argv[1:])])
     commands = {t: command for t in args.tasks}
     steps = {t: args.steps or DEFAULT_STEPS[t] for t in args.tasks}
     old_path = out_dir / "convergence.json"

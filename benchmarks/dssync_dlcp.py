@@ -70,6 +70,7 @@ import copy
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -851,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if plot(json.loads((out_dir / f"{args.name}.json").read_text()), png) else 1
     from deft_compile.tools.provenance import provenance
 
-    record: dict[str, Any] = {"command": "python benchmarks/dssync_dlcp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    record: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/dssync_dlcp.py", *(argv if argv is not None else sys.argv[1:])]),
                               "cpus": os.cpu_count(), "torch": torch.__version__, "world_size": WORLD,
                               "intra_op_threads_per_worker": 1, "load_start": os.getloadavg()}
     record["provenance"] = provenance(command=record["command"])

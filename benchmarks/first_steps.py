@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"command": "python benchmarks/first_steps.py " + " ".join(argv or sys.argv[1:]),
+    report: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/first_steps.py", *(argv or sys.argv[1:])]),
                               "host": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()}, "models": {}}
     from deft_compile.tools.provenance import provenance
 

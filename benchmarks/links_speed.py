@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_prerequisites()
     started = time.perf_counter()
-    record: dict[str, Any] = {"command": "python benchmarks/links_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    record: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/links_speed.py", *(argv if argv is not None else sys.argv[1:])]),
                               "two_links": [], "period": []}
     from deft_compile.tools.provenance import provenance
 

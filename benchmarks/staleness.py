@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import statistics
 import sys
 import time
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(runs, args.variants, args.lr, out_dir / "staleness.png")
     from deft_compile.tools.provenance import provenance
 
-    record = {"command": "python benchmarks/staleness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    record = {"command": shlex.join(["python", "benchmarks/staleness.py", *(argv if argv is not None else sys.argv[1:])]),
               "lr": args.lr, "steps": args.steps, "seeds": args.seeds, "summary": summary, "runs": runs,
               "elapsed_s": time.perf_counter() - started}
     record["provenance"] = provenance(command=record["command"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         args.unshaped = True
     started = time.time()
     results = run_suite(args)
-    meta = {"command": "python benchmarks/suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": shlex.join(["python", "benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": time.time() - started, "launches": args.launches,
             "mode": ("accelerator emulation" if args.emulate_accelerator else "normal")
             + f", compiler {args.compiler or default_compiler()}"}

@@ -44,6 +44,7 @@ import copy
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -966,7 +967,7 @@ def _write(args: argparse.Namespace, runs: list[dict[str, Any]], elapsed: float,
     from deft_compile.tools.provenance import provenance
 
     payload = {"provenance": provenance(),
-               "command": "deft-compile bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+               "command": shlex.join(["deft-compile", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
                "config": {k: v for k, v in vars(args).items() if k != "func"},
                "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "load_avg": os.getloadavg()},
                "wall_s": elapsed, "interrupted": interrupted, "runs": runs}
