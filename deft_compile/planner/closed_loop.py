@@ -430,7 +430,8 @@ class StartDuel:
 class MeasureAlone:
     """Measure the running plan on its own (no duel configured), then each plan of ``then`` in turn, then decide
     from the measurements; ``between``: the hashes of the synchronous plans the decision is between
-    (``settle_between``, as a duel of synchronous plans would decide), or empty for the usual decision."""
+    (``settle_between``, as a duel of synchronous plans would decide), or empty for the usual decision. No
+    refinement follows these measurements: its re-plan would solve without the re-plan's kept float32 wires."""
 
     then: tuple = ()
     between: tuple[str, ...] = ()

@@ -236,11 +236,9 @@ def capture_step(
             else:
                 ((loss / accumulation_steps if accumulation_steps > 1 else loss) * scale).backward()
         _mark_gradients(params, scale, accumulation_steps)
-        initial = _initial_state(optimizer, model_state, state_inputs, states)
-        state_input_ids = {id(t) for t in states}
-        with tracker.active("optimizer.step"), traceable_optimizer(optimizer, params, index_of, initial, hyperparameters) as traced:
-            optimizer.step()
-            new_state = _new_state(traced, params, state_input_ids, state_outputs, extra_state)
+        with tracker.active("optimizer.step"):
+            new_state = _traced_update(optimizer, model_state, index_of, params, state_inputs, states, hyperparameters,
+                                       state_outputs, extra_state)
         gradients = []
         for index, p in enumerate(params):
             if p.grad is not None:
@@ -327,10 +325,8 @@ def recapture_with_state(captured: CapturedStep, optimizer: torch.optim.Optimize
         hyperparameters = traced_hyperparameters(hyper_slots, [value.item() for value in values])
         for index, grad in zip(captured.gradient_outputs, grads):
             traced_params[index].grad = grad
-        initial = _initial_state(optimizer, captured.model_state, state_inputs, state_values)
-        with traceable_optimizer(optimizer, traced_params, index_of, initial, hyperparameters) as traced:
-            optimizer.step()
-            return tuple(_new_state(traced, traced_params, {id(t) for t in state_values}, state_outputs, extra_state))
+        return tuple(_traced_update(optimizer, captured.model_state, index_of, traced_params, state_inputs,
+                                    state_values, hyperparameters, state_outputs, extra_state))
 
     examples = [*params, *[g.meta["val"] for g in gradients], *states, *[h.meta["val"] for h in hyper]]
     saved = [(p, p.grad) for p in params]
@@ -373,36 +369,28 @@ def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[f
         new_states.append(placeholder)
     for node in placeholders[first_state + len(old_states):]:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    update_nodes = list(traced_update.graph.nodes)
-    update_inputs = [n for n in update_nodes if n.op == "placeholder"]
-    sources = [*placeholders[: captured.num_params], *gradients]
-    update_env = {u: env[s] for u, s in zip(update_inputs, sources) if s in env}
-    update_env.update(zip(update_inputs[len(sources) : len(sources) + len(new_states)], new_states))
-    update_env.update({u: env[h] for u, h in zip(update_inputs[len(sources) + len(new_states):], hyper)})
-    update_hyper = set(update_inputs[len(sources) + len(new_states):])
-    for node in update_nodes:  # the update's reads of the hyper-parameters come first, as in a whole trace
-        if node.op == "call_function" and node.target is _ITEM and node.args[0] in update_hyper:
-            update_env[node] = graph.node_copy(node, lambda n: update_env[n])
     for node in prefix:
         if node.op == "placeholder":
             continue
         if node.op == "get_attr":
             attributes[node.target] = getattr(gm, node.target)
         env[node] = graph.node_copy(node, lambda n: env[n])
-    update_env.update({u: env[s] for u, s in zip(update_inputs, sources)})  # the gradient markers, now copied
-    update_output = None
-    for node in update_nodes:
-        if node.op == "placeholder" or node in update_env:
+    update_nodes = list(traced_update.graph.nodes)
+    update_inputs = [n for n in update_nodes if n.op == "placeholder"]
+    sources = [env[n] for n in (*placeholders[: captured.num_params], *gradients)]
+    update_hyper = update_inputs[len(sources) + len(new_states):]
+    update_env = dict(zip(update_inputs, [*sources, *new_states, *(env[h] for h in hyper)]))
+    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+    for node in update_nodes[len(update_inputs):-1]:
+        if node.target is _ITEM and node.args[0] in update_hyper:  # read first, as in a whole trace
+            with graph.inserting_before(first_compute):
+                update_env[node] = graph.node_copy(node, lambda n: update_env[n])
             continue
-        if node.op == "output":
-            update_output = node
-            continue
-        copied = graph.node_copy(node, lambda n: update_env[n])
+        update_env[node] = graph.node_copy(node, lambda n: update_env[n])
         if node.op == "get_attr":
-            copied.target = f"_update_{node.target}"
-            attributes[copied.target] = getattr(traced_update, node.target)
-        update_env[node] = copied
-    new_state = [update_env[n] for n in update_output.args[0]]
+            update_env[node].target = f"_update_{node.target}"
+            attributes[update_env[node].target] = getattr(traced_update, node.target)
+    new_state = [update_env[n] for n in update_nodes[-1].args[0]]
 
     def copied(node: fx.Node) -> fx.Node:  # the loss output is detached after the update: copy what it needs
         if node not in env:
@@ -476,6 +464,18 @@ def _mark_gradients(params: list[torch.Tensor], scale: torch.Tensor | None, accu
     for index, p in enumerate(params):
         if p.grad is not None:
             p.grad = ops.gradient(p.grad * inv_scale if inv_scale is not None else p.grad, index)
+
+
+def _traced_update(optimizer: torch.optim.Optimizer, model_state: ModelState, index_of: dict,
+                   params: list[torch.Tensor], state_inputs: list[StateSlot], states: Sequence[torch.Tensor],
+                   hyperparameters: list[dict[str, Any]], state_outputs: list[StateSlot],
+                   extra_state: dict[int, dict[str, Any]]) -> list[torch.Tensor]:
+    """``optimizer.step()`` on the traced ``params`` (their gradients set) from the state ``states`` holds: the state
+    tensors it created (``_new_state``, recorded in ``state_outputs``; non-tensor state in ``extra_state``)."""
+    initial = _initial_state(optimizer, model_state, state_inputs, states)
+    with traceable_optimizer(optimizer, params, index_of, initial, hyperparameters) as traced:
+        optimizer.step()
+        return _new_state(traced, params, {id(t) for t in states}, state_outputs, extra_state)
 
 
 def _new_state(traced: dict, params: list[torch.Tensor], state_input_ids: set[int], state_outputs: list[StateSlot],

@@ -382,8 +382,8 @@ class ClosedLoop:
             self._settle(step, decision.plan, decision.ms, decision.why, **decision.extra)
         elif isinstance(decision, StartDuel):
             self._start_duel(step, decision.challenger, decision.incumbent, decision.why)
-        elif isinstance(decision, MeasureAlone):  # no duel configured: measure it on its own first (no refinement:
-            self.state, self._alone, self._refined = "trial", decision, True  # its re-plan would drop the wires)
+        elif isinstance(decision, MeasureAlone):  # no duel configured: measure alone, and refine nothing after
+            self.state, self._alone, self._refined = "trial", decision, True
             self._queue = [(plan, "measured alone after a re-plan (no duels)") for plan in decision.then]
 
     def _fastest_synchronous(self):

@@ -456,9 +456,9 @@ class StepLowering:
     ``"inductor"`` (the default): regional (``deft_compile.step.regions``). Every graph runs as its segments from
     its first call on, flush graphs too (the step's own first call on a static capture aside, which compiles only
     what Inductor's cache holds: ``DeftConfig.aten_first_call``): the plan's glue as aten, each region compiled
-    once per structure and input signature for all the step's graphs. So a graph runs the same kernels in every process from its first
-    call (a resumed run is bit-identical to a straight one), and a new plan compiles only regions no earlier graph
-    had (none, when only the collectives moved).
+    once per structure and input signature for all the step's graphs. So a graph runs the same kernels in every
+    process from its first call (a resumed run is bit-identical to a straight one), and a new plan compiles only
+    regions no earlier graph had (none, when only the collectives moved).
 
     ``"inductor-graph"`` (opt-in): the whole graph lowered at once, fusing across region boundaries. A graph runs
     as aten on its first call and is lowered on its second (the first step and flushes usually run once); flush
