@@ -1,6 +1,6 @@
 """The first steps a user lives through: ``deft_compile`` with its defaults, wall-clock from the first call.
 
-    python benchmarks/first_steps.py                          # both models, 3 cold + 3 warm launches, 120 steps
+    python benchmarks/first_steps.py                          # transformer and cnn, 3 cold + 3 warm launches, 120 steps
     python benchmarks/first_steps.py --models transformer --launches 1 --steps 40 --out /tmp/first
 
 Each launch starts 2 gloo workers (unshaped loopback) that build the model, call ``deft_compile(model, optimizer,
@@ -24,7 +24,9 @@ the eager optimizer on the same model, data and steps, timed the same way (its s
 recompiles), alternating the order across launches; every launch records its processes' peak resident memory.
 
 Models: ``transformer``: GPT-2 layout, 6 blocks x 256, vocab 4096, context 128, batch 8, AdamW; ``cnn``: a ResNet
-(4 stages x 2 basic blocks, BatchNorm) on 32x32 images, batch 16, SGD momentum 0.9.
+(4 stages x 2 basic blocks, BatchNorm) on 32x32 images, batch 16, SGD momentum 0.9; ``bert``: ``transformers``'
+``BertForMaskedLM`` built from a config (4 layers x 256, 4 heads, vocab 8192, context 128, random weights, its own
+loss on every token), batch 8, AdamW: a model none of the runtime's tuning used.
 """
 
 from __future__ import annotations
@@ -71,7 +73,18 @@ def build(model: str, rank: int, steps: int) -> tuple[Any, Any, Any, list[tuple]
         batches = [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
                    for _ in range(steps)]
         return net, optimizer, F.cross_entropy, batches
-    raise ValueError(f"unknown model {model!r}: transformer or cnn")
+    if model == "bert":
+        from deft_compile.tools.presets import hf_bert
+
+        net = hf_bert(layers=4, dim=256, heads=4, vocab=8192, context=128)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=0.01)
+        g = torch.Generator().manual_seed(100 + rank)
+        batches = []
+        for _ in range(steps):
+            tokens = torch.randint(0, 8192, (8, 128), generator=g)
+            batches.append((tokens, tokens.clone()))
+        return net, optimizer, None, batches
+    raise ValueError(f"unknown model {model!r}: transformer, cnn or bert")
 
 
 def first_steps_worker(rank: int, world_size: int, model: str, steps: int, config: dict | None = None) -> dict[str, Any]:
@@ -196,7 +209,7 @@ def launch(model: str, steps: int, cache_dir: str, variant: str = "deft") -> dic
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="transformer,cnn")
+    parser.add_argument("--models", default="transformer,cnn", help="comma-separated: transformer, cnn, bert")
     parser.add_argument("--launches", type=int, default=3, help="cold launches per model (each followed by a warm one)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--compare-lowering", action="store_true", help="also regional vs whole-graph steady step")
