@@ -27,6 +27,39 @@ def test_the_live_model_and_random_state_are_untouched():
     assert torch.equal(rng, torch.get_rng_state())
 
 
+class _CountingClock:
+    """The host clock, counting the graph's runs; each run advances ``now`` (the profiler's clock in the test) by
+    ``run_s`` seconds, so the budget's arithmetic does not depend on the host's speed."""
+
+    def __init__(self, run_s: float) -> None:
+        from deft_compile.timing import HostClock
+
+        self.clock, self.runs, self.run_s, self.now = HostClock(), 0, run_s, 0.0
+
+    def time_nodes(self, run):
+        self.runs += 1
+        spans = self.clock.time_nodes(run)
+        self.now += self.run_s
+        return spans
+
+
+@pytest.mark.parametrize("budget_s, runs", [(None, 4), (2.5, 4), (1.5, 3), (1.0, 2), (0.0, 2)])
+def test_the_timed_runs_stop_once_they_took_the_budget(monkeypatch, budget_s, runs):
+    """One warm-up, then up to three timed runs of 1 s each (by the test's clock), no further one once the timed
+    runs took ``budget_s`` together; at least one is timed: a long step is timed once."""
+    import types
+
+    from deft_compile.step import profiler
+
+    captured, inputs = _captured_and_inputs()
+    clock = _CountingClock(1.0)
+    monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    times = measure_node_times(captured, inputs, warmup=1, repeats=3, clock=clock, budget_s=budget_s)
+    assert clock.runs == runs
+    computed = [n for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    assert set(times) == set(computed)
+
+
 @pytest.fixture(scope="module")
 def outcome(request):
     """The per-rank values of the 2-process runs, in one process pair in turn (tests/batched.py)."""

@@ -4,8 +4,9 @@ Compute is measured on the captured step itself: the graph runs node by node
 under an ``fx.Interpreter`` on *copies* of the parameters, buffers, optimizer
 state and inputs (the live model is never touched, and the random-number state
 is restored afterwards so training draws the same numbers it would have),
-``warmup`` times and then ``repeats`` times; each node's fastest time is
-attributed to a parameter:
+``warmup`` times and then ``repeats`` times, fewer where the timed runs already took ``PROFILE_BUDGET_S``
+together (a long step's one run spans many busy moments, and each further run delays the first step by a
+step's time); each node's fastest time is attributed to a parameter:
 
 * forward nodes to the parameter whose first use most recently started (its
   "layer"), split evenly among parameters first used by the same node;
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -50,6 +52,8 @@ LINK_PROBE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 LINK_PROBE_BUDGET_MS = 250.0
 #: the fewest timed rounds of one probe size
 LEAST_LINK_REPEATS = 3
+#: the profile's timed runs of the step stop once they took this long together (at least one runs)
+PROFILE_BUDGET_S = 0.25
 
 
 class _TimingInterpreter(fx.Interpreter):
@@ -69,17 +73,19 @@ class _TimingInterpreter(fx.Interpreter):
 
 def measure_node_times(
     captured: CapturedStep, inputs: Sequence[torch.Tensor], *, warmup: int = 1, repeats: int = 3,
-    clock: HostClock | None = None,
+    clock: HostClock | None = None, budget_s: float | None = None,
 ) -> dict[fx.Node, float]:
     """Milliseconds of every node of the captured graph (``time_graph_nodes`` on a copy of the inputs)."""
-    return time_graph_nodes(captured.graph_module, inputs, warmup=warmup, repeats=repeats, clock=clock)
+    return time_graph_nodes(captured.graph_module, inputs, warmup=warmup, repeats=repeats, clock=clock,
+                            budget_s=budget_s)
 
 
 def time_graph_nodes(
     gm: fx.GraphModule, inputs: Sequence[Any], *, warmup: int = 1, repeats: int = 3, clock: HostClock | None = None,
+    budget_s: float | None = None,
 ) -> dict[fx.Node, float]:
     """Milliseconds of every computing node of ``gm`` (the minimum over ``repeats`` runs on copies of ``inputs``,
-    after ``warmup`` runs).
+    after ``warmup`` runs; with ``budget_s``, no further run once the timed runs took that long together).
 
     The minimum, not the median: on a shared machine a busy moment only ever
     makes a node slower, and one skewed profile would bias the whole plan.
@@ -93,9 +99,12 @@ def time_graph_nodes(
     cuda_rng = _cuda_rng_states()
     interpreter = _TimingInterpreter(gm)
     samples: dict[fx.Node, list[float]] = {}
+    timed_s = 0.0
     try:
         with torch.no_grad():
             for run in range(warmup + repeats):
+                if budget_s is not None and run > warmup and timed_s >= budget_s:
+                    break
                 copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]
                 interpreter.order = []
 
@@ -106,8 +115,10 @@ def time_graph_nodes(
                     finally:
                         interpreter.timed = None
 
+                started = time.perf_counter()
                 spans = clock.time_nodes(one_run)
                 if run >= warmup:
+                    timed_s += time.perf_counter() - started
                     for node, ms in zip(interpreter.order, resolve_ms(spans)):
                         samples.setdefault(node, []).append(ms)
     finally:
@@ -384,13 +395,13 @@ def profile_step(
 ) -> Profile:
     """Measure compute and links on this rank, then agree with the other ranks (if any).
 
-    Compute: each node's fastest of ``repeats`` runs; links: the faster half of
+    Compute: each node's fastest of ``repeats`` runs (fewer past ``PROFILE_BUDGET_S``); links: the faster half of
     ``link_repeats`` timed all-reduces per size, each the slowest rank's; then
     every number is the maximum over ranks, so all ranks plan from one profile.
     ``contention``: the profile's (``DeftConfig.contention``), or None to measure it.
     """
     index = ProfileIndex.of(annotation)
-    node_ms = measure_node_times(captured, inputs, warmup=warmup, repeats=repeats)
+    node_ms = measure_node_times(captured, inputs, warmup=warmup, repeats=repeats, budget_s=PROFILE_BUDGET_S)
     timings = attribute_times(annotation, index, node_ms)
     links = [measure_link(name, group, link_repeats) for name, group in groups]
     if not links:
