@@ -23,7 +23,8 @@ steps with dynamic padding (each batch padded to its own longest sample, so ever
 step), batch 4 per rank. Variants: the plain ``Trainer`` (DDP), ``Trainer`` with ``torch_compile=True``,
 ``DeftTrainer`` with its defaults, with ``dynamic_lengths=True`` (``deft-dynamic``: the length symbolic from the
 first call) and with ``policy="wfbp"`` (DDP's numbers). Per variant: wall-clock of
-``train()``, compiles and captures, and the per-step losses against the plain ``Trainer``'s. ``--warm``: each
+``train()``, compiles and captures, the step's ``overheads`` (capture, compile, planning seconds), and the per-step
+losses against the plain ``Trainer``'s. ``--warm``: each
 measured run reuses the Inductor cache that an unmeasured run of the same variant filled just before it.
 
 Results: ``<out>/shapes.json`` with provenance.
@@ -200,7 +201,8 @@ def trainer_worker(rank: int, world_size: int, variant: str, steps: int, output_
     step = getattr(trainer, "deft_step", None)
     if step is not None:
         result.update(compiles=len(step.lowering.history), captures=step.capture_count,
-                      fallbacks=[e["fallback_reason"] for e in step.lowering.history if e.get("fallback_reason")])
+                      fallbacks=[e["fallback_reason"] for e in step.lowering.history if e.get("fallback_reason")],
+                      overheads=dict(step.overheads))
     else:
         from torch._dynamo.utils import counters
 
