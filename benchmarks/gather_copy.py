@@ -1,6 +1,6 @@
 """What the copy of each gradient into its bucket costs, against the step it sits in.
 
-    python benchmarks/gather_copy.py --out benchmarks/results/gather-copy.json
+    python benchmarks/gather_copy.py --out benchmarks/results/gather-copy-<commit>.json
 
 The schedule pass writes every gradient once into its bucket's flat buffer (``cat.out`` into a kept buffer on the
 aten route; a fresh ``cat`` on Inductor's, where Inductor writes the gradients its own kernels reduce straight into
@@ -9,13 +9,15 @@ every gradient into the bucket would save at most one copy of all gradient bytes
 bound on the models of ``benchmarks/first_steps.py``, in one process on one intra-op thread (as every worker runs):
 
 * ``cat_out_ms``: ``torch.cat(gradients, out=bucket)`` into a kept buffer (the aten route);
-* ``cat_fresh_ms``: ``torch.cat(gradients)`` into a fresh buffer, as Inductor's region allocates it, page faults
-  included (the Inductor route, before it writes its own reductions in place);
+* ``cat_fresh_ms``: ``torch.cat(gradients)`` into a buffer allocated per call, as Inductor's region allocates it
+  (the Inductor route, before it writes its own reductions in place; the allocator may hand back the pages of the
+  previous call's buffer);
 * ``step_ms``: the model's eager forward, backward and optimizer step on the same batch (no communication), the
   floor of any data-parallel step;
 * ``share``: ``max(cat_out_ms, cat_fresh_ms) / step_ms``.
 
-Each figure is the median of ``--repeats`` blocks, the variants interleaved block by block.
+Each figure is the median of ``--repeats`` blocks, the variants interleaved block by block; ``spread``: the
+smallest and largest block of each.
 """
 
 from __future__ import annotations
@@ -58,8 +60,13 @@ def measure(model: str, repeats: int) -> dict:
     grads = [p.grad.reshape(-1) for p in net.parameters() if p.grad is not None]
     numel = sum(g.numel() for g in grads)
     bucket = torch.empty(numel, dtype=grads[0].dtype)
-    cat_out = lambda: torch.cat(grads, out=bucket)  # noqa: E731
-    cat_fresh = lambda: torch.cat(grads)  # noqa: E731
+
+    def cat_out() -> None:
+        torch.cat(grads, out=bucket)
+
+    def cat_fresh() -> None:
+        torch.cat(grads)
+
     samples: dict[str, list[float]] = {"cat_out_ms": [], "cat_fresh_ms": [], "step_ms": []}
     for fn in (cat_out, cat_fresh):
         fn()

@@ -24,8 +24,8 @@ step), batch 4 per rank. Variants: the plain ``Trainer`` (DDP), ``Trainer`` with
 ``DeftTrainer`` with its defaults, with ``dynamic_lengths=True`` (``deft-dynamic``: the length symbolic from the
 first call) and with ``policy="wfbp"`` (DDP's numbers). Per variant: wall-clock of
 ``train()``, compiles and captures, the step's ``overheads`` (capture, compile, planning seconds), and the per-step
-losses against the plain ``Trainer``'s. ``--warm``: each
-measured run reuses the Inductor cache that an unmeasured run of the same variant filled just before it.
+losses against the plain ``Trainer``'s. ``--warm``: each measured run reuses the Inductor cache that an unmeasured
+run of the same variant filled just before it.
 
 Results: ``<out>/shapes.json`` with provenance.
 """

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deft_compile.step.pipeline import annotate_capture
 from deft_compile.step.profiler import measure_node_times
+from deft_compile.timing import Elapsed, HostClock
 from deft_compile.step.capture import split_user_inputs
 from deft_compile.step.optim_support import hyperparameter_inputs
 from models import captured_batchnorm_cnn
@@ -27,37 +29,49 @@ def test_the_live_model_and_random_state_are_untouched():
     assert torch.equal(rng, torch.get_rng_state())
 
 
-class _CountingClock:
-    """The host clock, counting the graph's runs; each run advances ``now`` (the profiler's clock in the test) by
-    ``run_s`` seconds, so the budget's arithmetic does not depend on the host's speed."""
+class _CountingClock(HostClock):
+    """The host clock, counting the graph's runs; each run's nodes report ``run_s`` seconds in all, so the budget's
+    arithmetic does not depend on the host's speed."""
 
     def __init__(self, run_s: float) -> None:
-        from deft_compile.timing import HostClock
-
-        self.clock, self.runs, self.run_s, self.now = HostClock(), 0, run_s, 0.0
+        super().__init__()
+        self.runs, self.run_s = 0, run_s
 
     def time_nodes(self, run):
         self.runs += 1
-        spans = self.clock.time_nodes(run)
-        self.now += self.run_s
-        return spans
+        spans = super().time_nodes(run)
+        return [Elapsed(self.run_s * 1e3 / len(spans)) for _ in spans]
 
 
-@pytest.mark.parametrize("budget_s, runs", [(None, 4), (2.5, 4), (1.5, 3), (1.0, 2), (0.0, 2)])
-def test_the_timed_runs_stop_once_they_took_the_budget(monkeypatch, budget_s, runs):
-    """One warm-up, then up to three timed runs of 1 s each (by the test's clock), no further one once the timed
-    runs took ``budget_s`` together; at least one is timed: a long step is timed once."""
-    import types
-
-    from deft_compile.step import profiler
-
+@pytest.mark.parametrize("warmup, budget_s, runs", [(1, None, 4), (1, 2.5, 4), (1, 1.5, 3), (1, 0.5, 2), (1, 0.0, 2),
+                                                    (0, 0.5, 1), (0, 1.5, 2)])
+def test_the_timed_runs_stop_once_they_took_the_budget(warmup, budget_s, runs):
+    """``warmup`` runs, then up to three timed runs of 1 s of node time each (by the test's clock), no further one
+    once the timed runs' nodes took ``budget_s`` together; at least one is timed: a long step is timed once."""
     captured, inputs = _captured_and_inputs()
     clock = _CountingClock(1.0)
-    monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
-    times = measure_node_times(captured, inputs, warmup=1, repeats=3, clock=clock, budget_s=budget_s)
+    times = measure_node_times(captured, inputs, warmup=warmup, repeats=3, clock=clock, budget_s=budget_s)
     assert clock.runs == runs
     computed = [n for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     assert set(times) == set(computed)
+    assert sum(times.values()) == pytest.approx(1e3)
+
+
+def test_the_steps_profile_passes_the_budget(monkeypatch):
+    """``profile_step`` times the training step under ``PROFILE_BUDGET_S``."""
+    from deft_compile.step import profiler
+
+    seen = {}
+
+    def measured(captured, inputs, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(profiler, "measure_node_times", measured)
+    captured, inputs = _captured_and_inputs()
+    with pytest.raises(RuntimeError, match="stop here"):
+        profiler.profile_step(captured, annotate_capture(captured), inputs, [], 1)
+    assert seen["budget_s"] == profiler.PROFILE_BUDGET_S
 
 
 @pytest.fixture(scope="module")

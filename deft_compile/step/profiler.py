@@ -4,9 +4,10 @@ Compute is measured on the captured step itself: the graph runs node by node
 under an ``fx.Interpreter`` on *copies* of the parameters, buffers, optimizer
 state and inputs (the live model is never touched, and the random-number state
 is restored afterwards so training draws the same numbers it would have),
-``warmup`` times and then ``repeats`` times, fewer where the timed runs already took ``PROFILE_BUDGET_S``
-together (a long step's one run spans many busy moments, and each further run delays the first step by a
-step's time); each node's fastest time is attributed to a parameter:
+``warmup`` times and then ``repeats`` times (in the training step's profile,
+``profile_step``, no further run once the timed runs' nodes took
+``PROFILE_BUDGET_S`` together: each run delays the first step by a step's time);
+each node's fastest time is attributed to a parameter:
 
 * forward nodes to the parameter whose first use most recently started (its
   "layer"), split evenly among parameters first used by the same node;
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -52,7 +52,7 @@ LINK_PROBE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 LINK_PROBE_BUDGET_MS = 250.0
 #: the fewest timed rounds of one probe size
 LEAST_LINK_REPEATS = 3
-#: the profile's timed runs of the step stop once they took this long together (at least one runs)
+#: seconds of node time after which the step's profile times no further run (at least one is timed)
 PROFILE_BUDGET_S = 0.25
 
 
@@ -85,7 +85,8 @@ def time_graph_nodes(
     budget_s: float | None = None,
 ) -> dict[fx.Node, float]:
     """Milliseconds of every computing node of ``gm`` (the minimum over ``repeats`` runs on copies of ``inputs``,
-    after ``warmup`` runs; with ``budget_s``, no further run once the timed runs took that long together).
+    after ``warmup`` runs; with ``budget_s``, no further run once the timed runs' nodes took that many seconds
+    together, at least one timed run).
 
     The minimum, not the median: on a shared machine a busy moment only ever
     makes a node slower, and one skewed profile would bias the whole plan.
@@ -115,11 +116,11 @@ def time_graph_nodes(
                     finally:
                         interpreter.timed = None
 
-                started = time.perf_counter()
                 spans = clock.time_nodes(one_run)
                 if run >= warmup:
-                    timed_s += time.perf_counter() - started
-                    for node, ms in zip(interpreter.order, resolve_ms(spans)):
+                    node_ms = resolve_ms(spans)
+                    timed_s += sum(node_ms) / 1e3
+                    for node, ms in zip(interpreter.order, node_ms):
                         samples.setdefault(node, []).append(ms)
     finally:
         torch.set_rng_state(rng)
