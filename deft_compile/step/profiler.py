@@ -6,8 +6,9 @@ state and inputs (the live model is never touched, and the random-number state
 is restored afterwards so training draws the same numbers it would have),
 ``warmup`` times and then ``repeats`` times (in the training step's profile,
 ``profile_step``, no further run once the timed runs' nodes took
-``PROFILE_BUDGET_S`` together: each run delays the first step by a step's time);
-each node's fastest time is attributed to a parameter:
+``PROFILE_BUDGET_S`` together, though always one after the graph's first: each
+run delays the first step by a step's time); each node's fastest time is
+attributed to a parameter:
 
 * forward nodes to the parameter whose first use most recently started (its
   "layer"), split evenly among parameters first used by the same node;
@@ -52,7 +53,7 @@ LINK_PROBE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 LINK_PROBE_BUDGET_MS = 250.0
 #: the fewest timed rounds of one probe size
 LEAST_LINK_REPEATS = 3
-#: seconds of node time after which the step's profile times no further run (at least one is timed)
+#: seconds of node time after which the step's profile times no further run (at least one after the first)
 PROFILE_BUDGET_S = 0.25
 
 
@@ -86,7 +87,8 @@ def time_graph_nodes(
 ) -> dict[fx.Node, float]:
     """Milliseconds of every computing node of ``gm`` (the minimum over ``repeats`` runs on copies of ``inputs``,
     after ``warmup`` runs; with ``budget_s``, no further run once the timed runs' nodes took that many seconds
-    together, at least one timed run).
+    together, but at least one timed run that is not the graph's first: a first run on fresh copies also pays
+    for first-touch pages and first kernel calls, unevenly across nodes).
 
     The minimum, not the median: on a shared machine a busy moment only ever
     makes a node slower, and one skewed profile would bias the whole plan.
@@ -104,7 +106,7 @@ def time_graph_nodes(
     try:
         with torch.no_grad():
             for run in range(warmup + repeats):
-                if budget_s is not None and run > warmup and timed_s >= budget_s:
+                if budget_s is not None and run > max(warmup, 1) and timed_s >= budget_s:
                     break
                 copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]
                 interpreter.order = []
