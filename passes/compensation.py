@@ -67,14 +67,12 @@ def compensate_delayed(gm: fx.GraphModule, compensation: Compensation) -> fx.Gra
     layout = layout_of(gm)
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    params = placeholders[: layout.num_params]
-    start = layout.num_params + layout.num_buffers
+    inputs = layout.inputs(graph)
+    params = inputs.params
     state: dict[int, dict[str, fx.Node]] = {}
-    for (index, key), node in zip(layout.state_inputs, placeholders[start: start + len(layout.state_inputs)]):
+    for (index, key), node in zip(layout.state_inputs, inputs.states):
         state.setdefault(index, {})[key] = node
-    hyper_start = start + len(layout.state_inputs) + layout.num_user_inputs
-    hyper_inputs = placeholders[hyper_start: hyper_start + layout.num_hyper_inputs]
+    hyper_inputs = inputs.hyper
     markers = [n for n in nodes if n.op == "call_function" and n.target == ops.GRADIENT]
     update_start = max((order[m] for m in markers), default=len(nodes))
     for index in sorted(compensation.params):

@@ -69,7 +69,6 @@ class _Guard:
         self.gm, self.graph, self.options = gm, gm.graph, options
         self.layout: GraphLayout = gm.meta["deft_layout"]
         self.output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
-        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
 
     def _gradients(self) -> dict[int, fx.Node]:
         """Parameter index -> the gradient node its update applies (from the output layout)."""
@@ -158,10 +157,8 @@ class _Guard:
         """Nodes that write in place into a parameter or optimizer-state input -> the input they write.
 
         Only the optimizer update writes those (forward writes buffers, which a skipped update keeps)."""
-        layout = self.layout
-        guarded = set(self.placeholders[: layout.num_params])
-        state_start = layout.num_params + layout.num_buffers
-        guarded |= set(self.placeholders[state_start : state_start + len(layout.state_inputs)])
+        inputs = self.layout.inputs(self.graph)
+        guarded = {*inputs.params, *inputs.states}
         found: dict[fx.Node, fx.Node] = {}
         for node in self.graph.nodes:
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -187,9 +184,7 @@ class _Guard:
                 kept = g.call_function(aten.where.self, (is_found, snapshots[tensor], tensor))
             with g.inserting_after(kept):
                 g.call_function(aten.copy_.default, (tensor, kept))
-        layout = self.layout
-        start = layout.num_params + layout.num_buffers + len(layout.state_inputs) + layout.num_user_inputs + layout.num_hyper_inputs
-        scale, tracker = self.placeholders[start : start + 2]
+        scale, tracker = self.layout.inputs(self.graph).scaler
         with g.inserting_before(first_update):
             g.call_function(
                 aten._amp_update_scale_.default,

@@ -39,6 +39,30 @@ class GraphLayout:
     def num_hyper_inputs(self) -> int:
         return len(self.hyper_inputs)
 
+    def inputs(self, graph: fx.Graph) -> GraphInputs:
+        """``graph``'s placeholders by what they are, in this layout's order."""
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        groups, start = [], 0
+        for size in (self.num_params, self.num_buffers, len(self.state_inputs), self.num_user_inputs,
+                     self.num_hyper_inputs, self.num_scaler_inputs):
+            groups.append(placeholders[start : start + size])
+            start += size
+        return GraphInputs(*groups, carries=placeholders[start:])
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """A step graph's placeholders by what they are (``GraphLayout.inputs``): parameters, buffers, optimizer-state
+    tensors (in ``state_inputs`` order), user tensors, hyper-parameters, loss-scaler tensors and carries."""
+
+    params: list[fx.Node]
+    buffers: list[fx.Node]
+    states: list[fx.Node]
+    user: list[fx.Node]
+    hyper: list[fx.Node]
+    scaler: list[fx.Node]
+    carries: list[fx.Node]
+
 
 def layout_of(gm: fx.GraphModule) -> GraphLayout:
     return gm.meta["deft_layout"]

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from deft_compile.ir import ops
 from deft_compile.errors import LossError, TraceError
 from deft_compile.outputs import loss_of
-from deft_compile.ir.layout import GraphLayout
+from deft_compile.ir.layout import GraphInputs, GraphLayout
 from deft_compile.step.optim_support import (hyperparameter_inputs, hyperparameter_slots, traceable_optimizer,
                                               traced_hyperparameters)
 from deft_compile.step.recompute_check import check_no_random_after_forward
@@ -294,22 +294,19 @@ def recapture_with_state(captured: CapturedStep, optimizer: torch.optim.Optimize
     hyper-parameter inputs and onto new state inputs."""
     gm, layout = captured.graph_module, captured.graph_module.meta["deft_layout"]
     nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    inputs = layout.inputs(gm.graph)
     markers = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target is ops.GRADIENT]
     output = nodes[-1]
     if not markers or output.op != "output":
         return None
     prefix = nodes[: markers[-1] + 1]
-    num_params, num_buffers = captured.num_params, captured.num_buffers
-    old_states = placeholders[num_params + num_buffers : num_params + num_buffers + len(captured.state_inputs)]
+    num_params = captured.num_params
     position = {node: i for i, node in enumerate(nodes)}
-    if any(position[user] <= markers[-1] for state in old_states for user in state.users):
+    if any(position[user] <= markers[-1] for state in inputs.states for user in state.users):
         return None
     outputs = output.args[0]
     loss, gradients = outputs[0], outputs[len(outputs) - len(captured.gradient_outputs):]
-    rest = placeholders[num_params + num_buffers + len(old_states):]
-    hyper = rest[captured.num_user_inputs : captured.num_user_inputs + len(layout.hyper_inputs)]
-    params = [n.meta["val"] for n in placeholders[:num_params]]
+    params = [n.meta["val"] for n in inputs.params]
     live = captured.model_state.params
     states = [_example_state(params[i], optimizer.state[live[i]][key]) for i, key in state_inputs]
     hyper_slots = list(layout.hyper_inputs)
@@ -328,7 +325,7 @@ def recapture_with_state(captured: CapturedStep, optimizer: torch.optim.Optimize
         return tuple(_traced_update(optimizer, captured.model_state, index_of, traced_params, state_inputs,
                                     state_values, hyperparameters, state_outputs, extra_state))
 
-    examples = [*params, *[g.meta["val"] for g in gradients], *states, *[h.meta["val"] for h in hyper]]
+    examples = [*params, *[g.meta["val"] for g in gradients], *states, *[h.meta["val"] for h in inputs.hyper]]
     saved = [(p, p.grad) for p in params]
     try:
         with _compile_session(), no_autocast():
@@ -337,8 +334,8 @@ def recapture_with_state(captured: CapturedStep, optimizer: torch.optim.Optimize
     finally:
         for p, grad in saved:
             p.grad = grad
-    return _spliced(captured, prefix, placeholders, old_states, loss, gradients, hyper, traced_update, state_inputs,
-                    states, state_outputs, extra_state)
+    return _spliced(captured, prefix, inputs, loss, gradients, traced_update, state_inputs, states, state_outputs,
+                    extra_state)
 
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -349,9 +346,9 @@ def _example_state(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return param.fake_mode.from_tensor(value, static_shapes=True) if hasattr(param, "fake_mode") else value
 
 
-def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[fx.Node], old_states: list[fx.Node],
-             loss: fx.Node, gradients: Sequence[fx.Node], hyper: list[fx.Node], traced_update: fx.GraphModule,
-             state_inputs: list[StateSlot], states: list[torch.Tensor], state_outputs: list[StateSlot],
+def _spliced(captured: CapturedStep, prefix: list[fx.Node], inputs: GraphInputs, loss: fx.Node,
+             gradients: Sequence[fx.Node], traced_update: fx.GraphModule, state_inputs: list[StateSlot],
+             states: list[torch.Tensor], state_outputs: list[StateSlot],
              extra_state: dict[int, dict[str, Any]]) -> CapturedStep:
     """The capture's forward and backward (``prefix``) followed by ``traced_update``'s nodes, with the state inputs
     ``state_inputs`` in place of the capture's: its graph, layout and ``CapturedStep``."""
@@ -359,15 +356,14 @@ def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[f
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attributes: dict[str, Any] = {}
-    first_state = captured.num_params + captured.num_buffers
-    for node in placeholders[:first_state]:
+    for node in (*inputs.params, *inputs.buffers):
         env[node] = graph.node_copy(node, lambda n: env[n])
     new_states = []
     for (index, key), example in zip(state_inputs, states):
         placeholder = graph.placeholder(f"state_{index}_{key}")
         placeholder.meta.update(val=example, tensor_meta=_extract_tensor_metadata(example))
         new_states.append(placeholder)
-    for node in placeholders[first_state + len(old_states):]:
+    for node in (*inputs.user, *inputs.hyper, *inputs.scaler, *inputs.carries):
         env[node] = graph.node_copy(node, lambda n: env[n])
     for node in prefix:
         if node.op == "placeholder":
@@ -377,9 +373,9 @@ def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[f
         env[node] = graph.node_copy(node, lambda n: env[n])
     update_nodes = list(traced_update.graph.nodes)
     update_inputs = [n for n in update_nodes if n.op == "placeholder"]
-    sources = [env[n] for n in (*placeholders[: captured.num_params], *gradients)]
+    sources = [env[n] for n in (*inputs.params, *gradients)]
     update_hyper = update_inputs[len(sources) + len(new_states):]
-    update_env = dict(zip(update_inputs, [*sources, *new_states, *(env[h] for h in hyper)]))
+    update_env = dict(zip(update_inputs, [*sources, *new_states, *(env[h] for h in inputs.hyper)]))
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
     for node in update_nodes[len(update_inputs):-1]:
         if node.target is _ITEM and node.args[0] in update_hyper:  # read first, as in a whole trace
@@ -398,7 +394,7 @@ def _spliced(captured: CapturedStep, prefix: list[fx.Node], placeholders: list[f
         return env[node]
 
     graph.output((copied(loss), *new_state, *[env[g] for g in gradients]))
-    for node in [env[n] for n in prefix if n.op == "call_function" and n.target is _ITEM and n.args[0] in hyper]:
+    for node in [env[n] for n in prefix if n.op == "call_function" and n.target is _ITEM and n.args[0] in inputs.hyper]:
         if not node.users:  # the capture's reads of the hyper-parameters: the update read them again
             graph.erase_node(node)
     graph_module = fx.GraphModule(attributes, graph, class_name=type(gm).__name__)

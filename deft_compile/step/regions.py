@@ -60,11 +60,10 @@ def tag_regions(gm: fx.GraphModule, param_names: Sequence[str] | None = None) ->
     region starts at a block's first parameter use and a backward region ends at the last gradient of a block
     made ready before the next block's; without names every parameter is a block of its own."""
     layout = layout_of(gm)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    params = placeholders[: layout.num_params]
-    states_start = layout.num_params + layout.num_buffers
+    inputs = layout.inputs(gm.graph)
+    params = inputs.params
     states: dict[int, list[fx.Node]] = {}
-    for (index, _key), node in zip(layout.state_inputs, placeholders[states_start: states_start + len(layout.state_inputs)]):
+    for (index, _key), node in zip(layout.state_inputs, inputs.states):
         states.setdefault(index, []).append(node)
     annotation = annotate(gm.graph, params, states)
     order = annotation.order
