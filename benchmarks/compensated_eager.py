@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import statistics
 import sys
 import time
@@ -101,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # PlanReference's all-reduces
-    results: dict = {"command": shlex.join(["python", "benchmarks/compensated_eager.py", *(argv or sys.argv[1:])]), "runs": {}}
-    from deft_compile.tools.provenance import provenance
+    from deft_compile.tools.provenance import provenance, script_command
+    results: dict = {"command": script_command(__file__, argv or None), "runs": {}}
 
     results["provenance"] = provenance(command=results["command"])
     for seed in args.seeds:

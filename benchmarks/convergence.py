@@ -47,7 +47,6 @@ import copy
 import dataclasses
 import json
 import math
-import shlex
 import statistics
 import sys
 import sysconfig
@@ -500,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"({plan['delayed_bytes_share']:.0%} of bytes), periodic {plan['periodic_buckets']} "
                           f"(K={plan['max_period']}), plan changes: {[h['reason'] for h in plan['plan_history']]}",
                           flush=True)
-    command = shlex.join(["python", "benchmarks/convergence.py", *(argv if argv is not None else sys.argv[1:])])
+    from deft_compile.tools.provenance import provenance, script_command
+    command = script_command(__file__, argv)
     commands = {t: command for t in args.tasks}
     steps = {t: args.steps or DEFAULT_STEPS[t] for t in args.tasks}
     old_path = out_dir / "convergence.json"
@@ -513,7 +513,6 @@ def main(argv: list[str] | None = None) -> int:
                 steps[task] = old["steps"][task]
     summary = summarise(runs, args.variants)
     pngs = plot(runs, args.variants, out_dir)
-    from deft_compile.tools.provenance import provenance
 
     record = {"provenance": provenance(command=command),
               "commands": commands, "schedule": {"schedule": args.schedule, "warmup": args.warmup,

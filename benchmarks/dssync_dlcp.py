@@ -70,7 +70,6 @@ import copy
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -850,9 +849,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         png = out_dir / f"{args.name}.png"
         return 0 if plot(json.loads((out_dir / f"{args.name}.json").read_text()), png) else 1
-    from deft_compile.tools.provenance import provenance
+    from deft_compile.tools.provenance import provenance, script_command
 
-    record: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/dssync_dlcp.py", *(argv if argv is not None else sys.argv[1:])]),
+    record: dict[str, Any] = {"command": script_command(__file__, argv),
                               "cpus": os.cpu_count(), "torch": torch.__version__, "world_size": WORLD,
                               "intra_op_threads_per_worker": 1, "load_start": os.getloadavg()}
     record["provenance"] = provenance(command=record["command"])

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -228,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/first_steps.py", *(argv or sys.argv[1:])]),
+    from deft_compile.tools.provenance import provenance, script_command
+    report: dict[str, Any] = {"command": script_command(__file__, argv or None),
                               "host": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()}, "models": {}}
-    from deft_compile.tools.provenance import provenance
 
     report["provenance"] = provenance(command=report["command"])
     for model in args.models.split(","):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -88,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from deft_compile.tools.provenance import provenance
+    from deft_compile.tools.provenance import provenance, script_command
 
     torch.set_num_threads(1)
-    command = shlex.join(["python", "benchmarks/gather_copy.py", *(argv if argv is not None else sys.argv[1:])])
+    command = script_command(__file__, argv)
     report = {"provenance": provenance(command=command), "models": {}}
     for model in args.models.split(","):
         row = measure(model, args.repeats)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -275,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_prerequisites()
     started = time.perf_counter()
-    record: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/links_speed.py", *(argv if argv is not None else sys.argv[1:])]),
+    from deft_compile.tools.provenance import provenance, script_command
+    record: dict[str, Any] = {"command": script_command(__file__, argv),
                               "two_links": [], "period": []}
-    from deft_compile.tools.provenance import provenance
 
     record["provenance"] = provenance(command=record["command"])
     if args.part in ("two-links", "both"):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
 import statistics
 import sys
 import time
@@ -141,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             summary[v]["loss_ratio"] = summary[v]["test_loss"] / summary["ddp"]["test_loss"]
             summary[v]["within_bounds"] = summary[v]["accuracy_diff_points"] >= -0.5
     plot(runs, args.variants, args.lr, out_dir / "staleness.png")
-    from deft_compile.tools.provenance import provenance
+    from deft_compile.tools.provenance import provenance, script_command
 
-    record = {"command": shlex.join(["python", "benchmarks/staleness.py", *(argv if argv is not None else sys.argv[1:])]),
+    record = {"command": script_command(__file__, argv),
               "lr": args.lr, "steps": args.steps, "seeds": args.seeds, "summary": summary, "runs": runs,
               "elapsed_s": time.perf_counter() - started}
     record["provenance"] = provenance(command=record["command"])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -319,13 +318,13 @@ def main(argv: list[str] | None = None) -> int:
         args.unshaped = True
     started = time.time()
     results = run_suite(args)
-    meta = {"command": shlex.join(["python", "benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])]),
+    from deft_compile.tools.provenance import provenance, script_command
+    meta = {"command": script_command(__file__, argv),
             "date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": time.time() - started, "launches": args.launches,
             "mode": ("accelerator emulation" if args.emulate_accelerator else "normal")
             + f", compiler {args.compiler or default_compiler()}"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from deft_compile.tools.provenance import provenance
 
     out.write_text(json.dumps({"provenance": provenance(command=meta["command"]), "meta": meta, "results": results},
                               indent=1, default=str))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -128,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--json names one results file: give one --workload and one --coverage, or leave it out")
     out = Path(args.out)
     # quoted as a shell reads it: the recorded command re-runs as written (``--docs ''`` keeps its empty argument)
-    command = shlex.join(["python", "benchmarks/time_to_accuracy.py", *(argv if argv is not None else sys.argv[1:])])
+    from deft_compile.tools.provenance import script_command
+    command = script_command(__file__, argv)
     records = []
     try:
         for cfg in configs:

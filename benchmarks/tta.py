@@ -56,7 +56,6 @@ import json
 import math
 import os
 import statistics
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -1263,10 +1262,11 @@ def run_cli(args: Any) -> int:
         return 2
     plot = Path(args.plot) if args.plot else None
     try:
+        from deft_compile.tools.provenance import command_line
         run_benchmark(cfg, args.seeds, bandwidth=bandwidth, coverage=args.coverage, workers=args.workers,
                       timeout_s=args.timeout or 6 * 3600.0, json_path=args.json,
                       plot_dir=plot.parent if plot else None, plot_stem=plot.stem if plot else "time_to_accuracy",
-                      command=shlex.join(["deft-compile", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None)
+                      command=command_line() if sys.argv[1:2] == ["bench"] else None)
     except RuntimeError as error:
         print(f"deft-compile bench --time-to-accuracy: {error}", file=sys.stderr)
         return 2

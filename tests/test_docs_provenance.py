@@ -608,6 +608,9 @@ def test_provenance_of_a_run_now() -> None:
         assert recorded["clean"] == (not recorded["changed"])
     assert prov.command_line([str(ROOT / "benchmarks" / "suite.py"), "--quick"]) == "python benchmarks/suite.py --quick"
     assert prov.command_line(["/venv/bin/deft-compile", "demo", "--out", "a b"]) == "deft-compile demo --out 'a b'"
+    script = ROOT / "benchmarks" / "time_to_accuracy.py"
+    assert prov.script_command(script, ["--docs", ""]) == "python benchmarks/time_to_accuracy.py --docs ''"
+    assert prov.script_command(script, []) == "python benchmarks/time_to_accuracy.py"
     assert provenance_problems({"command": "x"}) and provenance_problems(None)
 
 

@@ -44,7 +44,6 @@ import copy
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -964,10 +963,10 @@ def _write(args: argparse.Namespace, runs: list[dict[str, Any]], elapsed: float,
     if not args.json:
         return
     import torch
-    from deft_compile.tools.provenance import provenance
+    from deft_compile.tools.provenance import provenance, command_line
 
     payload = {"provenance": provenance(),
-               "command": shlex.join(["deft-compile", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
+               "command": command_line() if sys.argv[1:2] == ["bench"] else None,
                "config": {k: v for k, v in vars(args).items() if k != "func"},
                "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "load_avg": os.getloadavg()},
                "wall_s": elapsed, "interrupted": interrupted, "runs": runs}

@@ -50,6 +50,12 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join([Path(head).name or head, *argv[1:]])
 
 
+def script_command(script: str | os.PathLike, argv: Sequence[str] | None = None) -> str:
+    """The command that runs ``script`` (a path, such as a benchmark's ``__file__``) with ``argv`` (default: this
+    process's arguments), as ``command_line`` writes it."""
+    return command_line([str(script), *(sys.argv[1:] if argv is None else argv)])
+
+
 def _git(*args: str, root: Path) -> str | None:
     try:
         done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20)
