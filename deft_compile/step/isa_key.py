@@ -16,12 +16,56 @@ cache (torch 2.13) do not hash that pick, so a compile cached under one ISA is r
 :func:`isa_cache_tag` names the pick, and :func:`keyed_by_isa` adds it to ``torch.compiler.config.cache_key_tag``
 (a string every torch compile cache hashes) for the duration of one compile, keeping any tag the user set.
 ``tests/test_isa_cache_key.py`` holds the reproduction.
+
+Rule: the ISAs' check starts in the background when a step that compiles with Inductor is made
+(:func:`start_isa_check`), and a compile waits for it before it reads the pick.
+
+Why: the first pick in a process checks every ISA the CPU lists by compiling a probe for it (cached on disk) and
+loading it in a child interpreter (``cpu_vec_isa.valid_vec_isa_list``): about 1.4 s on a 2-core AMD EPYC with a
+warm cache, almost all of it in the children, which the step's first call would otherwise wait for in its first
+compile. Started when the step is made, it overlaps the first call's eager pass, capture and planning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+_check_lock = threading.Lock()
+_check: threading.Thread | None = None  # the background check (one per process)
+
+
+def start_isa_check() -> None:
+    """Start Inductor's check of the CPU's vector ISAs in a daemon thread, once per process (a no-op after the
+    first call). Its result is Inductor's own cache; a check that fails there is made again, and reported, by the
+    first compile."""
+    global _check
+    with _check_lock:
+        if _check is not None:
+            return
+        from torch._inductor import cpu_vec_isa  # imported on the caller's thread
+
+        _check = threading.Thread(target=_check_quietly, args=(cpu_vec_isa.valid_vec_isa_list,),
+                                  name="deft-vec-isa-check", daemon=True)
+        _check.start()
+
+
+def _check_quietly(valid_vec_isa_list) -> None:
+    try:
+        valid_vec_isa_list()
+    except Exception as exc:  # noqa: BLE001 - not cached on failure: the compile that needs it checks again
+        log.debug("the background vector ISA check failed (%s: %s)", type(exc).__name__, exc)
+
+
+def _wait_for_isa_check() -> None:
+    """Wait for :func:`start_isa_check`'s thread, where one runs, so the pick does not check the ISAs twice."""
+    check = _check
+    if check is not None and check is not threading.current_thread():
+        check.join()
 
 
 def isa_cache_tag() -> str:
@@ -29,6 +73,7 @@ def isa_cache_tag() -> str:
     scalar code)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
+    _wait_for_isa_check()
     isa = pick_vec_isa()
     return f"deft-vec-isa={isa}/{isa.bit_width()}"
 

@@ -53,7 +53,7 @@ import torch.fx as fx
 
 from deft_compile.compilers import check_compiler
 from deft_compile.step.capture import CAPTURE_ID, SYMBOLIC
-from deft_compile.step.isa_key import keyed_by_isa
+from deft_compile.step.isa_key import keyed_by_isa, start_isa_check
 from deft_compile.step.symbolic import is_symbolic
 from deft_compile.passes.cat_layout import pin_cat_layouts
 from deft_compile.passes.functional_collectives import functionalize_bucket_ops
@@ -477,6 +477,8 @@ class StepLowering:
     def __init__(self, compiler: str) -> None:
         check_compiler(compiler)
         self.compiler = compiler
+        if compiler != "aten":
+            start_isa_check()  # Inductor's first compile waits for it (step/isa_key.py)
         self._lowered: "weakref.WeakKeyDictionary[fx.GraphModule, LoweredGraph]" = weakref.WeakKeyDictionary()
         self._seen: "weakref.WeakKeyDictionary[fx.GraphModule, int]" = weakref.WeakKeyDictionary()
         self._programs: "weakref.WeakKeyDictionary[fx.GraphModule, Any]" = weakref.WeakKeyDictionary()

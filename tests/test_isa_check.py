@@ -1,0 +1,71 @@
+"""Inductor's check of the CPU's vector ISAs starts in the background when an Inductor step is made, and a compile
+waits for it (``deft_compile.step.isa_key.start_isa_check``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from torch._inductor import cpu_vec_isa
+
+from deft_compile.step import isa_key
+from deft_compile.step import lowering
+
+
+@pytest.fixture
+def fresh_check(monkeypatch):
+    """No background check started yet in this process, and a stand-in for Inductor's check that takes 0.3 s and
+    records which thread ran it (its result is the real list, computed once here)."""
+    real = cpu_vec_isa.valid_vec_isa_list()
+    calls: list[tuple[str, float]] = []
+
+    def slow_check():
+        time.sleep(0.3)
+        calls.append((threading.current_thread().name, time.perf_counter()))
+        return real
+
+    monkeypatch.setattr(isa_key, "_check", None)
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", slow_check)
+    return calls
+
+
+def test_the_check_runs_once_in_its_own_thread_and_the_tag_waits_for_it(fresh_check):
+    expected = isa_key.isa_cache_tag()  # the stand-in's own call, on this thread
+    fresh_check.clear()
+    started = time.perf_counter()
+    isa_key.start_isa_check()
+    isa_key.start_isa_check()  # once per process
+    assert time.perf_counter() - started < 0.25, "starting the check does not wait for it"
+    tag = isa_key.isa_cache_tag()
+    returned = time.perf_counter()
+    assert tag == expected
+    background = [at for name, at in fresh_check if name == "deft-vec-isa-check"]
+    assert len(background) == 1, fresh_check
+    assert background[0] <= returned, "the tag was read before the background check ended"
+
+
+def test_a_check_that_fails_in_the_background_is_made_again_by_the_compile(fresh_check, monkeypatch):
+    real = cpu_vec_isa.valid_vec_isa_list
+    failures = []
+
+    def fails_once():
+        if not failures:
+            failures.append(threading.current_thread().name)
+            raise RuntimeError("probe failed")
+        return real()
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", fails_once)
+    isa_key.start_isa_check()
+    tag = isa_key.isa_cache_tag()
+    assert failures == ["deft-vec-isa-check"]
+    assert tag.startswith("deft-vec-isa=")
+    assert [name for name, _ in fresh_check] == [threading.current_thread().name], "the compile's own check ran"
+
+
+@pytest.mark.parametrize("compiler, starts", [("inductor", True), ("inductor-graph", True), ("aten", False)])
+def test_an_inductor_step_starts_the_check_when_it_is_made(compiler, starts, monkeypatch):
+    started = []
+    monkeypatch.setattr(lowering, "start_isa_check", lambda: started.append(True))
+    lowering.StepLowering(compiler)
+    assert bool(started) == starts
