@@ -69,3 +69,26 @@ def test_an_inductor_step_starts_the_check_when_it_is_made(compiler, starts, mon
     monkeypatch.setattr(lowering, "start_isa_check", lambda: started.append(True))
     lowering.StepLowering(compiler)
     assert bool(started) == starts
+
+
+def test_the_profile_times_nothing_before_the_check_ended(fresh_check, monkeypatch):
+    """``profile_step`` waits for the background check: its probe processes would share the cores with the timed
+    runs."""
+    from test_profiler import _captured_and_inputs
+
+    from deft_compile.step import profiler
+    from deft_compile.step.pipeline import annotate_capture
+
+    timed = []
+
+    def measured(captured, inputs, **kwargs):
+        timed.append(time.perf_counter())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(profiler, "measure_node_times", measured)
+    captured, inputs = _captured_and_inputs()
+    isa_key.start_isa_check()
+    with pytest.raises(RuntimeError, match="stop here"):
+        profiler.profile_step(captured, annotate_capture(captured), inputs, [], 1)
+    background = [at for name, at in fresh_check if name == "deft-vec-isa-check"]
+    assert len(background) == 1 and background[0] <= timed[0]

@@ -23,7 +23,9 @@ Rule: the ISAs' check starts in the background when a step that compiles with In
 Why: the first pick in a process checks every ISA the CPU lists by compiling a probe for it (cached on disk) and
 loading it in a child interpreter (``cpu_vec_isa.valid_vec_isa_list``): about 1.4 s on a 2-core AMD EPYC with a
 warm cache, almost all of it in the children, which the step's first call would otherwise wait for in its first
-compile. Started when the step is made, it overlaps the first call's eager pass, capture and planning.
+compile. Started when the step is made, it overlaps the first call's eager pass and capture; the profile waits for
+it before it times anything (:func:`wait_for_isa_check`), so its probe processes never share the cores with a
+timed run.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def _check_quietly(valid_vec_isa_list) -> None:
         log.debug("the background vector ISA check failed (%s: %s)", type(exc).__name__, exc)
 
 
-def _wait_for_isa_check() -> None:
-    """Wait for :func:`start_isa_check`'s thread, where one runs, so the pick does not check the ISAs twice."""
+def wait_for_isa_check() -> None:
+    """Wait for :func:`start_isa_check`'s thread, where one runs: before a pick (which would otherwise check the ISAs
+    twice) and before anything is timed."""
     check = _check
     if check is not None and check is not threading.current_thread():
         check.join()
@@ -73,7 +76,7 @@ def isa_cache_tag() -> str:
     scalar code)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    _wait_for_isa_check()
+    wait_for_isa_check()
     isa = pick_vec_isa()
     return f"deft-vec-isa={isa}/{isa.bit_width()}"
 

@@ -43,6 +43,7 @@ from deft_compile.planner.link_fit import fast_mean, fit_alpha_beta
 from deft_compile.planner.plan import LinkCost, Profile
 from deft_compile.step.annotate import StepAnnotation
 from deft_compile.step.capture import CapturedStep
+from deft_compile.step.isa_key import wait_for_isa_check
 from deft_compile.step.scheduling import ProfileIndex, static_profile
 from deft_compile.timing import HostClock, clock_for, comm_device, resolve_ms
 
@@ -403,6 +404,7 @@ def profile_step(
     every number is the maximum over ranks, so all ranks plan from one profile.
     ``contention``: the profile's (``DeftConfig.contention``), or None to measure it.
     """
+    wait_for_isa_check()  # Inductor's ISA check (step/isa_key.py): its probes would share the timed cores
     index = ProfileIndex.of(annotation)
     node_ms = measure_node_times(captured, inputs, warmup=warmup, repeats=repeats, budget_s=PROFILE_BUDGET_S)
     timings = attribute_times(annotation, index, node_ms)
