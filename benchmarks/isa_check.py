@@ -1,10 +1,11 @@
 """The first call with Inductor's vector-ISA check started when the step is made, against started by the first
 compile.
 
-    python benchmarks/isa_check.py [--model transformer] [--launches 3] [--steps 3] [--out isa_check_out]
+    python benchmarks/isa_check.py [--model transformer|trainer] [--launches 3] [--steps 3] [--out isa_check_out]
 
 Two gloo ranks on one host run the defaults (``deft_compile`` with ``DeftConfig()``) for ``--steps`` calls on a
-warm Inductor cache (one unmeasured launch fills it first). ``background``: as shipped (``start_isa_check`` when the
+warm Inductor cache (one unmeasured launch fills it first); ``--model trainer``: ``DeftTrainer``'s dynamic-padding
+fine-tune of ``benchmarks/shapes.py`` for ``--steps`` optimizer steps instead, its ``train()`` timed whole. ``background``: as shipped (``start_isa_check`` when the
 step is made: ``deft_compile/step/isa_key.py``); ``first-compile``: the check left to the first compile, as before.
 The variants alternate launch by launch, each launch in fresh interpreters. Reported per launch (rank 0): the first
 call's seconds, the step's construction, ``step.overheads``' compile seconds, and the median of the later calls.
@@ -34,6 +35,13 @@ def worker(rank: int, world_size: int, model: str, steps: int, variant: str) -> 
 
     if variant == "first-compile":
         lowering.start_isa_check = lambda: None  # the first compile checks the ISAs itself
+    if model == "trainer":
+        from shapes import trainer_worker  # benchmarks/shapes.py
+
+        with tempfile.TemporaryDirectory(prefix="deft-isa-check-trainer-") as output:
+            result = trainer_worker(rank, world_size, "deft-dynamic", steps, output)
+        return {"variant": variant, "construct_s": 0.0, "first_call_s": result["train_s"], "later_median_s": None,
+                "compile_s": result["overheads"].get("compile_seconds"), "overheads": result["overheads"]}
     net, optimizer, loss_fn, batches = build(model, rank, steps)
     started = time.perf_counter()
     step = deft_compile(net, optimizer, loss_fn)
@@ -58,7 +66,8 @@ def launch(model: str, steps: int, variant: str, cache: str) -> list[dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="transformer", help="a benchmarks/first_steps.py model")
+    parser.add_argument("--model", default="transformer",
+                        help="a benchmarks/first_steps.py model, or trainer (DeftTrainer: first_call_s is train())")
     parser.add_argument("--launches", type=int, default=3, help="launches of each variant (alternating)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default="isa_check_out")
