@@ -3,11 +3,8 @@ waits for it (``deft_compile.step.isa_key.start_isa_check``)."""
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 from torch._inductor import cpu_vec_isa
@@ -19,27 +16,23 @@ from deft_compile.step import lowering
 @pytest.fixture
 def fresh_check(monkeypatch):
     """No background check started yet in this process, and a stand-in for Inductor's check that takes 0.3 s and
-    records which thread ran it, when it ended and at which nice value (its result is the real list, computed once
-    here)."""
+    records which thread ran it and when it ended (its result is the real list, computed once here)."""
     real = cpu_vec_isa.valid_vec_isa_list()
     calls: list[tuple[str, float]] = []
-    nice: list[int | None] = []
 
     def slow_check():
         time.sleep(0.3)
         calls.append((threading.current_thread().name, time.perf_counter()))
-        nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if sys.platform == "linux" else None)
         return real
 
     monkeypatch.setattr(isa_key, "_check", None)
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", slow_check)
-    return SimpleNamespace(calls=calls, nice=nice)  # each call's thread and end, and its nice value (Linux)
+    return calls
 
 
 def test_the_check_runs_once_in_its_own_thread_and_the_tag_waits_for_it(fresh_check):
     expected = isa_key.isa_cache_tag()  # the stand-in's own call, on this thread
-    fresh_check.calls.clear()
-    fresh_check.nice.clear()
+    fresh_check.clear()
     started = time.perf_counter()
     isa_key.start_isa_check()
     isa_key.start_isa_check()  # once per process
@@ -47,13 +40,9 @@ def test_the_check_runs_once_in_its_own_thread_and_the_tag_waits_for_it(fresh_ch
     tag = isa_key.isa_cache_tag()
     returned = time.perf_counter()
     assert tag == expected
-    background = [at for name, at in fresh_check.calls if name == "deft-vec-isa-check"]
-    assert len(background) == 1, fresh_check.calls
+    background = [at for name, at in fresh_check if name == "deft-vec-isa-check"]
+    assert len(background) == 1, fresh_check
     assert background[0] <= returned, "the tag was read before the background check ended"
-    if sys.platform == "linux":  # the background thread, and the probe processes it starts, at the lowest priority
-        by_thread = {name: nice for (name, _), nice in zip(fresh_check.calls, fresh_check.nice)}
-        assert by_thread["deft-vec-isa-check"] == isa_key.IDLE_NICE, by_thread
-        assert by_thread[threading.current_thread().name] == os.getpriority(os.PRIO_PROCESS, 0), by_thread
 
 
 def test_a_check_that_fails_in_the_background_is_made_again_by_the_compile(fresh_check, monkeypatch):
@@ -71,7 +60,7 @@ def test_a_check_that_fails_in_the_background_is_made_again_by_the_compile(fresh
     tag = isa_key.isa_cache_tag()
     assert failures == ["deft-vec-isa-check"]
     assert tag.startswith("deft-vec-isa=")
-    assert [name for name, _ in fresh_check.calls] == [threading.current_thread().name], "the compile's own check ran"
+    assert [name for name, _ in fresh_check] == [threading.current_thread().name], "the compile's own check ran"
 
 
 @pytest.mark.parametrize("compiler, starts", [("inductor", True), ("inductor-graph", True), ("aten", False)])
@@ -101,5 +90,5 @@ def test_the_profile_times_nothing_before_the_check_ended(fresh_check, monkeypat
     isa_key.start_isa_check()
     with pytest.raises(RuntimeError, match="stop here"):
         profiler.profile_step(captured, annotate_capture(captured), inputs, [], 1)
-    background = [at for name, at in fresh_check.calls if name == "deft-vec-isa-check"]
+    background = [at for name, at in fresh_check if name == "deft-vec-isa-check"]
     assert len(background) == 1 and background[0] <= timed[0]

@@ -23,25 +23,20 @@ Rule: the ISAs' check starts in the background when a step that compiles with In
 Why: the first pick in a process checks every ISA the CPU lists by compiling a probe for it (cached on disk) and
 loading it in a child interpreter (``cpu_vec_isa.valid_vec_isa_list``): about 1.4 s on a 2-core AMD EPYC with a
 warm cache, almost all of it in the children, which the step's first call would otherwise wait for in its first
-compile. Started when the step is made, at the lowest CPU priority, it overlaps the first call's eager pass and
-capture on cores they leave idle; the profile waits for it before it times anything (:func:`wait_for_isa_check`),
-so its probe processes never share the cores with a timed run.
+compile. Started when the step is made, it overlaps the first call's eager pass and capture; the profile waits for
+it before it times anything (:func:`wait_for_isa_check`), so its probe processes never share the cores with a timed
+run. The thread keeps the process's CPU priority: at a lower one it holds the interpreter's lock while the
+scheduler starves it, and the first call waits for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 import threading
 from typing import Iterator
 
 log = logging.getLogger(__name__)
-
-#: the nice value of the background check's thread and of the processes it starts (Linux): they take the cores only
-#: when the step's own work leaves them idle
-IDLE_NICE = 19
 
 _check_lock = threading.Lock()
 _check: threading.Thread | None = None  # the background check (one per process)
@@ -63,11 +58,6 @@ def start_isa_check() -> None:
 
 
 def _check_quietly(valid_vec_isa_list) -> None:
-    if sys.platform == "linux":  # a thread's nice value is its own, and the probe processes it starts inherit it
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
-        except OSError:
-            pass
     try:
         valid_vec_isa_list()
     except Exception as exc:  # noqa: BLE001 - not cached on failure: the compile that needs it checks again
