@@ -21,12 +21,12 @@ Rule: the ISAs' check starts in the background when a step that compiles with In
 (:func:`start_isa_check`), and a compile waits for it before it reads the pick.
 
 Why: the first pick in a process checks every ISA the CPU lists by compiling a probe for it (cached on disk) and
-loading it in a child interpreter (``cpu_vec_isa.valid_vec_isa_list``): about 1.4 s on a 2-core AMD EPYC with a
-warm cache, almost all of it in the children, which the step's first call would otherwise wait for in its first
-compile. Started when the step is made, it overlaps the first call's eager pass and capture; the profile waits for
-it before it times anything (:func:`wait_for_isa_check`), so its probe processes never share the cores with a timed
-run. The thread keeps the process's CPU priority: at a lower one it holds the interpreter's lock while the
-scheduler starves it, and the first call waits for it.
+loading it in a child interpreter (``cpu_vec_isa.valid_vec_isa_list``): on a warm cache, most of the first call's
+compile time (docs/BENCHMARKS.md, "Inductor's ISA check in the background"). Started when the step is made, it
+overlaps the first call's eager pass and capture; the profile waits for it before it times anything
+(:func:`wait_for_isa_check`), so its probe processes never share the cores with a timed run. The thread keeps the
+process's CPU priority: at nice 19 its probes barely ran until the profile waited for them, and the first call
+measured slower than with no background check.
 """
 
 from __future__ import annotations
