@@ -3,6 +3,7 @@ waits for it (``deft_compile.step.isa_key.start_isa_check``)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -92,3 +93,15 @@ def test_the_profile_times_nothing_before_the_check_ended(fresh_check, monkeypat
         profiler.profile_step(captured, annotate_capture(captured), inputs, [], 1)
     background = [at for name, at in fresh_check if name == "deft-vec-isa-check"]
     assert len(background) == 1 and background[0] <= timed[0]
+
+
+def test_a_fork_waits_for_the_check(fresh_check):
+    """A child forked while the check runs would inherit the file lock it holds: ``os.fork`` waits for it."""
+    isa_key.start_isa_check()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing else
+        os._exit(0)
+    forked = time.perf_counter()
+    os.waitpid(pid, 0)
+    background = [at for name, at in fresh_check if name == "deft-vec-isa-check"]
+    assert len(background) == 1 and background[0] <= forked

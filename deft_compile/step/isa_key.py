@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Iterator
 
@@ -54,6 +55,9 @@ def start_isa_check() -> None:
 
         _check = threading.Thread(target=_check_quietly, args=(cpu_vec_isa.valid_vec_isa_list,),
                                   name="deft-vec-isa-check", daemon=True)
+        # a child forked meanwhile would inherit the file lock the check holds and wait on it in its own first
+        # compile: ``os.fork`` waits for the check (``subprocess`` does not run these hooks)
+        os.register_at_fork(before=wait_for_isa_check)
         _check.start()
 
 
