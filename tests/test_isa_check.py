@@ -96,12 +96,14 @@ def test_the_profile_times_nothing_before_the_check_ended(fresh_check, monkeypat
 
 
 def test_a_fork_waits_for_the_check(fresh_check):
-    """A child forked while the check runs would inherit the file lock it holds: ``os.fork`` waits for it."""
+    """A child forked while the check runs would inherit the file lock it holds: ``os.fork`` waits for it, and the
+    child starts a check of its own when it makes an Inductor step."""
     isa_key.start_isa_check()
     pid = os.fork()
-    if pid == 0:  # the child: nothing else
-        os._exit(0)
+    if pid == 0:  # the child: no check of its own started yet (exit status 0), nothing else
+        os._exit(0 if isa_key._check is None else 1)
     forked = time.perf_counter()
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
     background = [at for name, at in fresh_check if name == "deft-vec-isa-check"]
     assert len(background) == 1 and background[0] <= forked
+    assert os.waitstatus_to_exitcode(status) == 0, "the child starts its own check"

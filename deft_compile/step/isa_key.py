@@ -51,14 +51,23 @@ def start_isa_check() -> None:
     with _check_lock:
         if _check is not None:
             return
-        from torch._inductor import cpu_vec_isa  # imported on the caller's thread
-
+        try:
+            from torch._inductor import cpu_vec_isa  # imported on the caller's thread
+        except Exception as exc:  # noqa: BLE001 - the first compile imports Inductor and reports what is wrong
+            log.debug("no background vector ISA check (%s: %s)", type(exc).__name__, exc)
+            return
         _check = threading.Thread(target=_check_quietly, args=(cpu_vec_isa.valid_vec_isa_list,),
                                   name="deft-vec-isa-check", daemon=True)
         # a child forked meanwhile would inherit the file lock the check holds and wait on it in its own first
-        # compile: ``os.fork`` waits for the check (``subprocess`` does not run these hooks)
-        os.register_at_fork(before=wait_for_isa_check)
+        # compile: ``os.fork`` waits for the check (``subprocess`` does not run these hooks); the child starts its own
+        os.register_at_fork(before=wait_for_isa_check, after_in_child=_forget_check)
         _check.start()
+
+
+def _forget_check() -> None:
+    """In a forked child: no check started in this process yet (the parent's thread is not the child's)."""
+    global _check, _check_lock
+    _check, _check_lock = None, threading.Lock()
 
 
 def _check_quietly(valid_vec_isa_list) -> None:
