@@ -5,8 +5,9 @@ compile.
 
 Two gloo ranks on one host run the defaults (``deft_compile`` with ``DeftConfig()``) for ``--steps`` calls on a
 warm Inductor cache (one unmeasured launch fills it first); ``--model trainer``: ``DeftTrainer``'s dynamic-padding
-fine-tune of ``benchmarks/shapes.py`` for ``--steps`` optimizer steps instead, its ``train()`` timed whole. ``background``: as shipped (``start_isa_check`` when the
-step is made: ``deft_compile/step/isa_key.py``); ``first-compile``: the check left to the first compile, as before.
+fine-tune of ``benchmarks/shapes.py`` for ``--steps`` optimizer steps instead, its ``train()`` timed whole.
+``background``: as shipped (``start_isa_check`` when the step is made: ``deft_compile/step/isa_key.py``);
+``first-compile``: the check left to the first compile.
 The variants alternate launch by launch, each launch in fresh interpreters. Reported per launch (rank 0): the first
 call's seconds, the step's construction, ``step.overheads``' compile seconds, and the median of the later calls.
 """

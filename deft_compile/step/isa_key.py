@@ -40,13 +40,15 @@ from typing import Iterator
 log = logging.getLogger(__name__)
 
 _check_lock = threading.Lock()
-_check: threading.Thread | None = None  # the background check (one per process)
+_check: threading.Thread | None = None  # the background check (one per process), once started
+FORK_WAIT_S = 60.0  # the longest a fork waits for the check (Inductor's probe timeout)
 
 
 def start_isa_check() -> None:
-    """Start Inductor's check of the CPU's vector ISAs in a daemon thread, once per process (a no-op after the
-    first call). Its result is Inductor's own cache; a check that fails there is made again, and reported, by the
-    first compile."""
+    """Start Inductor's check of the CPU's vector ISAs in a daemon thread, unless one was started in this process
+    already (or Inductor does not import: the first compile then reports it). The check reads Inductor's
+    configuration and cache folder as they are now. Its result is Inductor's own cache; a check that fails there is
+    made again, and reported, by the first compile."""
     global _check
     with _check_lock:
         if _check is not None:
@@ -56,12 +58,25 @@ def start_isa_check() -> None:
         except Exception as exc:  # noqa: BLE001 - the first compile imports Inductor and reports what is wrong
             log.debug("no background vector ISA check (%s: %s)", type(exc).__name__, exc)
             return
-        _check = threading.Thread(target=_check_quietly, args=(cpu_vec_isa.valid_vec_isa_list,),
-                                  name="deft-vec-isa-check", daemon=True)
-        # a child forked meanwhile would inherit the file lock the check holds and wait on it in its own first
-        # compile: ``os.fork`` waits for the check (``subprocess`` does not run these hooks); the child starts its own
-        os.register_at_fork(before=wait_for_isa_check, after_in_child=_forget_check)
-        _check.start()
+        check = threading.Thread(target=_check_quietly, args=(cpu_vec_isa.valid_vec_isa_list,),
+                                 name="deft-vec-isa-check", daemon=True)
+        check.start()
+        _check = check  # only a started thread: the waits join it
+
+
+def _check_quietly(valid_vec_isa_list) -> None:
+    try:
+        valid_vec_isa_list()
+    except Exception as exc:  # noqa: BLE001 - not cached on failure: the compile that needs it checks again
+        log.debug("the background vector ISA check failed (%s: %s)", type(exc).__name__, exc)
+
+
+def _before_fork() -> None:
+    """``os.fork`` waits for the check (at most ``FORK_WAIT_S``): the child has no thread, so it would inherit
+    neither the check's result nor its end, and could inherit a lock the thread held."""
+    check = _check
+    if check is not None and check is not threading.current_thread():
+        check.join(FORK_WAIT_S)
 
 
 def _forget_check() -> None:
@@ -70,11 +85,8 @@ def _forget_check() -> None:
     _check, _check_lock = None, threading.Lock()
 
 
-def _check_quietly(valid_vec_isa_list) -> None:
-    try:
-        valid_vec_isa_list()
-    except Exception as exc:  # noqa: BLE001 - not cached on failure: the compile that needs it checks again
-        log.debug("the background vector ISA check failed (%s: %s)", type(exc).__name__, exc)
+# ``subprocess`` runs no fork hooks: the check's own probe processes do not wait for it
+os.register_at_fork(before=_before_fork, after_in_child=_forget_check)
 
 
 def wait_for_isa_check() -> None:
