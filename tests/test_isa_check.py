@@ -77,8 +77,8 @@ def test_an_inductor_step_starts_the_check_when_it_is_made(compiler, starts, mon
 
 
 def test_the_profile_times_nothing_before_the_check_ended(fresh_check, monkeypatch):
-    """``profile_step`` waits for the background check: its probe processes would share the cores with the timed
-    runs."""
+    """Node timing (``time_graph_nodes``: the step's profile, ``profile_model``, the backend's planning) waits for
+    the background check: its probe processes would share the cores with the timed runs."""
     from test_profiler import _captured_and_inputs
 
     from deft_compile.step import profiler
@@ -86,11 +86,12 @@ def test_the_profile_times_nothing_before_the_check_ended(fresh_check, monkeypat
 
     timed = []
 
-    def measured(captured, inputs, **kwargs):
-        timed.append(time.perf_counter())
-        raise RuntimeError("stop here")
+    class Interpreter:
+        def __init__(self, gm):
+            timed.append(time.perf_counter())
+            raise RuntimeError("stop here")
 
-    monkeypatch.setattr(profiler, "measure_node_times", measured)
+    monkeypatch.setattr(profiler, "_TimingInterpreter", Interpreter)
     captured, inputs = _captured_and_inputs()
     annotation = annotate_capture(captured)
     isa_key.start_isa_check()

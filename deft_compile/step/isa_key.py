@@ -23,7 +23,7 @@ Rule: the ISAs' check starts in the background when a step that compiles with In
 Why: the first pick in a process checks every ISA the CPU lists by compiling a probe for it (cached on disk) and
 loading it in a child interpreter (``cpu_vec_isa.valid_vec_isa_list``): on a warm cache, most of the first call's
 compile time (docs/BENCHMARKS.md, "Inductor's ISA check in the background"). Started when the step is made, it
-overlaps the first call's eager pass and capture; the profile waits for it before it times anything
+overlaps the first call's eager pass and capture; node timing (``profiler.time_graph_nodes``) waits for it
 (:func:`wait_for_isa_check`), so its probe processes never share the cores with a timed run. The thread keeps the
 process's CPU priority: at nice 19 its probes barely ran until the profile waited for them, and the first call
 measured slower than with no background check.

@@ -96,6 +96,7 @@ def time_graph_nodes(
     ``clock`` (default: the inputs' device's, ``deft_compile.timing.clock_for``) brackets each node: the host clock
     on a CPU, CUDA events around the node's kernels on a GPU. The random-number state is restored afterwards.
     """
+    wait_for_isa_check()  # Inductor's ISA check (step/isa_key.py): its probes would share the timed cores
     if clock is None:
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
         clock = clock_for(device)
@@ -404,7 +405,6 @@ def profile_step(
     every number is the maximum over ranks, so all ranks plan from one profile.
     ``contention``: the profile's (``DeftConfig.contention``), or None to measure it.
     """
-    wait_for_isa_check()  # Inductor's ISA check (step/isa_key.py): its probes would share the timed cores
     index = ProfileIndex.of(annotation)
     node_ms = measure_node_times(captured, inputs, warmup=warmup, repeats=repeats, budget_s=PROFILE_BUDGET_S)
     timings = attribute_times(annotation, index, node_ms)
