@@ -71,30 +71,24 @@ def _check_quietly(valid_vec_isa_list) -> None:
         log.debug("the background vector ISA check failed (%s: %s)", type(exc).__name__, exc)
 
 
-def _before_fork() -> None:
-    """``os.fork`` waits for the check (at most ``FORK_WAIT_S``): the child has no thread, so it would inherit
-    neither the check's result nor its end, and could inherit a lock the thread held."""
-    check = _check
-    if check is not None and check is not threading.current_thread():
-        check.join(FORK_WAIT_S)
-
-
 def _forget_check() -> None:
     """In a forked child: no check started in this process yet (the parent's thread is not the child's)."""
     global _check, _check_lock
     _check, _check_lock = None, threading.Lock()
 
 
-# ``subprocess`` runs no fork hooks: the check's own probe processes do not wait for it
-os.register_at_fork(before=_before_fork, after_in_child=_forget_check)
-
-
-def wait_for_isa_check() -> None:
-    """Wait for :func:`start_isa_check`'s thread, where one runs: before a pick (which would otherwise check the ISAs
-    twice) and before anything is timed."""
+def wait_for_isa_check(timeout_s: float | None = None) -> None:
+    """Wait for :func:`start_isa_check`'s thread, where one runs (at most ``timeout_s``): before a pick (which would
+    otherwise check the ISAs twice), before anything is timed, and before ``os.fork`` (``FORK_WAIT_S``: the child
+    has no thread, so it would inherit neither the check's result nor its end, and could inherit a lock the thread
+    held)."""
     check = _check
     if check is not None and check is not threading.current_thread():
-        check.join()
+        check.join(timeout_s)
+
+
+# ``subprocess`` runs no fork hooks: the check's own probe processes do not wait for it
+os.register_at_fork(before=lambda: wait_for_isa_check(FORK_WAIT_S), after_in_child=_forget_check)
 
 
 def isa_cache_tag() -> str:
