@@ -19,42 +19,32 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from first_steps import build  # noqa: E402  (benchmarks/first_steps.py)
+from first_steps import first_steps_worker  # noqa: E402  (benchmarks/first_steps.py)
+from shapes import trainer_worker  # noqa: E402  (benchmarks/shapes.py)
 
 VARIANTS = ("background", "first-compile")
 
 
 def worker(rank: int, world_size: int, model: str, steps: int, variant: str) -> dict[str, Any]:
-    from deft_compile import deft_compile
     from deft_compile.step import lowering
 
     if variant == "first-compile":
         lowering.start_isa_check = lambda: None  # the first compile checks the ISAs itself
     if model == "trainer":
-        from shapes import trainer_worker  # benchmarks/shapes.py
-
         with tempfile.TemporaryDirectory(prefix="deft-isa-check-trainer-") as output:
             result = trainer_worker(rank, world_size, "deft-dynamic", steps, output)
         return {"variant": variant, "construct_s": 0.0, "first_call_s": result["train_s"], "later_median_s": None,
                 "compile_s": result["overheads"].get("compile_seconds"), "overheads": result["overheads"]}
-    net, optimizer, loss_fn, batches = build(model, rank, steps)
-    started = time.perf_counter()
-    step = deft_compile(net, optimizer, loss_fn)
-    construct_s = time.perf_counter() - started
-    times = []
-    for args in batches:
-        begun = time.perf_counter()
-        step(*args)
-        times.append(time.perf_counter() - begun)
-    return {"variant": variant, "construct_s": construct_s, "first_call_s": times[0],
+    result = first_steps_worker(rank, world_size, model, steps)  # the defaults, every call timed
+    times = result["times"]
+    return {"variant": variant, "construct_s": result["construct_s"], "first_call_s": times[0],
             "later_median_s": statistics.median(times[1:]) if len(times) > 1 else None,
-            "compile_s": step.overheads.get("compile_seconds"), "overheads": dict(step.overheads)}
+            "compile_s": result["overheads"].get("compile_seconds"), "overheads": result["overheads"]}
 
 
 def launch(model: str, steps: int, variant: str, cache: str) -> list[dict[str, Any]]:
