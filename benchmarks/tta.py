@@ -653,7 +653,30 @@ def _plan_record(step: Any) -> dict[str, Any]:
         "preserver_events": [str(e) for e in preserver.history] if preserver is not None else [],
         "staleness_measurements": len(preserver.staleness_log) if preserver is not None else 0,
         "trace_count": step.trace_count,
+        # what the last plan was solved from (profile in, plan out): the solver can be re-run on it offline
+        "solver_inputs": _solver_inputs(step, preserver),
     }
+
+
+def _solver_inputs(step: Any, preserver: Any) -> dict[str, Any] | None:
+    """The step's profile, the Preserver's standing options and the options its last full window of measurements
+    prices (``priced_options``): what the deft solver solves from, so a plan can be solved again offline."""
+    if preserver is None or step.profile is None:
+        return None
+    from deft_compile.preserver.pricing import compute_ms
+
+    pricer = preserver.pricer
+    latest = preserver.priced_options(pricer.prices(compute_ms(step.profile))) if pricer.ready else None
+    return {"profile": step.profile.to_dict(), "options": _plain(preserver.options), "latest_priced": _plain(latest)}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with tuples as lists and anything that is not JSON's as its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
 def tta_worker(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:

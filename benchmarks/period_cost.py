@@ -1,0 +1,115 @@
+"""What an update period of 2 costs the final loss of the time-to-accuracy LM, with nothing else changed.
+
+    python benchmarks/period_cost.py --out benchmarks/results/tta/period-cost-<commit>.json
+
+An update period K (DESIGN.md §4) sends a bucket's gradients once every K steps: it accumulates the mean of K
+steps' gradients and applies one update with it, its parameters unchanged in between. It halves (K = 2) the bytes
+a bucket sends, so it is the one lever besides a narrower wire that shortens a step the link bounds. This script
+measures its convergence cost alone, without timing: GPT-2 ``mini`` of ``benchmarks/time_to_accuracy.py`` (the
+same model, data, AdamW, warm-up and cosine schedule, seed), its two ranks' half-batches run in one process, the
+gradient averaged as DDP averages it. Variants (``--variants``):
+
+* ``sync``: every step updates every parameter (DDP's numbers);
+* ``k2@S``: from 0-based step ``S`` on, every parameter has an update period of 2 (the learning rate of the step
+  that updates).
+
+Reported per variant: the final validation loss and its excess over ``sync``'s (the time-to-accuracy target is
+``sync``'s final loss, and a deft plan must end within 1 % of it), and every ``--noise-every`` steps the gradient
+noise ratio b = tr(Σ)/‖G‖² of the two ranks' step (``deft_compile.preserver.pricing.noise_ratios`` summed over
+parameters), with the share of progress the Preserver's model says a period of 2 loses at it,
+``skipped_share(2, b)`` = 1 / (2 + b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def train(variant: str, steps: int, seed: int, noise_every: int) -> dict:
+    import torch
+
+    import tta
+    from deft_compile.planner.solvers.deft import skipped_share
+
+    kind, _, start_text = variant.partition("@")
+    if kind not in ("sync", "k2") or (kind == "k2" and not start_text.isdigit()):
+        raise ValueError(f"unknown variant {variant!r}: sync or k2@<step>")
+    start = int(start_text) if kind == "k2" else steps
+    corpus = tta.load_corpus(6_000_000)
+    ranks = [tta.TextBatches(corpus, context=tta.context_of("mini"), batch=8, steps=steps, seed=seed, rank=r,
+                             world_size=2, val_windows=128) for r in range(2)]
+    torch.manual_seed(seed)
+    model = tta.build_model("mini")
+    optimizer = tta.make_optimizer(model)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, tta.lr_lambda(steps, steps // 10, 0.1))
+    params = [p for p in model.parameters() if p.requires_grad]
+    pending, noise, begun = None, [], time.perf_counter()
+    for t in range(steps):
+        grads = []
+        for batches in ranks:
+            ids, labels = batches.batch_at(t)
+            model.zero_grad(set_to_none=True)
+            model(ids, labels).backward()
+            grads.append([p.grad.detach().clone() for p in params])
+        mean = [(a + b) / 2 for a, b in zip(*grads)]
+        if noise_every and t % noise_every == 0:
+            s = sum(float((a * a).sum() + (b * b).sum()) / 2 for a, b in zip(*grads))
+            m = sum(float((g * g).sum()) for g in mean)
+            b = (s - m) / (2 * m - s) if 2 * m - s > 0 else None
+            noise.append({"step": t, "b": b, "period2_loses": skipped_share(2, b) if b is not None else 0.0})
+        if t >= start and pending is None:  # the first step of a period of 2 only accumulates
+            pending = mean
+        else:
+            if pending is not None:
+                mean, pending = [(a + g) / 2 for a, g in zip(pending, mean)], None
+            for p, g in zip(params, mean):
+                p.grad = g
+            optimizer.step()
+        schedule.step()
+    model.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for batches in ranks:
+            for ids, labels in batches.validation():
+                total += float(model(ids, labels)) * ids.shape[0]
+                count += ids.shape[0]
+    return {"final_loss": total / count, "noise": noise, "seconds": time.perf_counter() - begun}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", default=["sync", "k2@0", "k2@400", "k2@600"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--noise-every", type=int, default=50)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    from deft_compile.tools.provenance import provenance, script_command
+
+    torch.set_num_threads(2)
+    report = {"provenance": provenance(command=script_command(__file__, argv)), "steps": args.steps, "seeds": {}}
+    for seed in args.seeds:
+        rows = report["seeds"][str(seed)] = {}
+        for variant in args.variants:
+            rows[variant] = train(variant, args.steps, seed, args.noise_every)
+            base = rows.get("sync", {}).get("final_loss")
+            if base:
+                rows[variant]["vs_sync"] = rows[variant]["final_loss"] / base - 1.0
+            print(f"seed {seed} {variant}: final {rows[variant]['final_loss']:.4f}"
+                  + (f" ({rows[variant]['vs_sync']:+.2%} against sync)" if base else ""), flush=True)
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
