@@ -1,17 +1,24 @@
-"""What an update period of 2 costs the final loss of the time-to-accuracy LM, with nothing else changed.
+"""What sending fewer bytes costs the final loss of the time-to-accuracy LM, with nothing else changed.
 
-    python benchmarks/period_cost.py --out benchmarks/results/tta/period-cost-<commit>.json
+    python benchmarks/fewer_bytes.py --out benchmarks/results/tta/fewer-bytes-<commit>.json
 
-An update period K (DESIGN.md §4) sends a bucket's gradients once every K steps: it accumulates the mean of K
-steps' gradients and applies one update with it, its parameters unchanged in between. It halves (K = 2) the bytes
-a bucket sends, so it is the one lever besides a narrower wire that shortens a step the link bounds. This script
-measures its convergence cost alone, without timing: GPT-2 ``mini`` of ``benchmarks/time_to_accuracy.py`` (the
-same model, data, AdamW, warm-up and cosine schedule, seed), its two ranks' half-batches run in one process, the
-gradient averaged as DDP averages it. Variants (``--variants``):
+Where the link bounds the step (DESIGN.md §3, the bandwidth floor), only fewer bytes per step make it shorter:
+an update period K (DESIGN.md §4: a bucket accumulates the mean of K steps' gradients and applies one update with
+it, its parameters unchanged in between; K = 2 halves its bytes) or a narrower wire. This script measures their
+convergence cost alone, without timing: GPT-2 ``mini`` of ``benchmarks/time_to_accuracy.py`` (the same model,
+data, AdamW, warm-up and cosine schedule, seed), its two ranks' half-batches run in one process, the gradient
+averaged as DDP averages it. Variants (``--variants``):
 
-* ``sync``: every step updates every parameter (DDP's numbers);
+* ``sync``: every step updates every parameter with the float32 mean (DDP's numbers);
 * ``k2@S``: from 0-based step ``S`` on, every parameter has an update period of 2 (the learning rate of the step
-  that updates).
+  that updates);
+* ``float16``: each rank's gradient divided by the world size and rounded to float16, the sum rounded to float16
+  (DDP's ``fp16_compress_hook``; the 16-bit wire deft chooses by default);
+* ``int8``, ``int8-ef``: each rank's gradient sent as 8 bits per element, a quarter of float32's bytes: per block
+  of ``INT8_BLOCK`` elements of each parameter, the integers round(g / s) in [-127, 127] with s = max|g| / 127 (one
+  float32 scale per block, 1.6 % more bytes); the receivers dequantize both ranks' and average. ``int8-ef`` keeps
+  each rank's rounding residual and adds it to its next gradient (error feedback, one float32 copy of the
+  gradients per rank). Not a deft wire dtype: a measurement of whether one would pay.
 
 Reported per variant: the final validation loss and its excess over ``sync``'s (the time-to-accuracy target is
 ``sync``'s final loss, and a deft plan must end within 1 % of it), and every ``--noise-every`` steps the gradient
@@ -33,6 +40,45 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+#: elements per int8 block (one float32 scale each)
+INT8_BLOCK = 256
+WIRES = ("float16", "int8", "int8-ef")
+
+
+def int8_round_trip(g):
+    """``g`` as the receivers see it after the int8 wire: per block of ``INT8_BLOCK``, round(g / s) * s with
+    s = max|g| / 127 (zero blocks stay zero)."""
+    import torch
+
+    flat = g.reshape(-1)
+    pad = (-flat.numel()) % INT8_BLOCK
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(blocks / safe), -127, 127)
+    return (q * scale).view(-1)[: flat.numel()].view_as(g)
+
+
+def wire_mean(kind: str, grads: list, residuals: list | None) -> list:
+    """The mean gradient the ranks apply when each rank's gradient crosses the ``kind`` wire."""
+    import torch
+
+    if kind == "float16":  # divided by the world size, rounded, summed in float16 (fp16_compress_hook)
+        return [(a.div(2).half() + b.div(2).half()).float() for a, b in zip(*grads)]
+    sent = []
+    for r, rank_grads in enumerate(grads):
+        row = []
+        for i, g in enumerate(rank_grads):
+            if residuals is not None:
+                g = g + residuals[r][i]
+            q = int8_round_trip(g)
+            if residuals is not None:
+                residuals[r][i] = g - q
+            row.append(q)
+        sent.append(row)
+    return [torch.stack(pair).mean(0) for pair in zip(*sent)]
+
+
 def train(variant: str, steps: int, seed: int, noise_every: int) -> dict:
     import torch
 
@@ -40,8 +86,8 @@ def train(variant: str, steps: int, seed: int, noise_every: int) -> dict:
     from deft_compile.planner.solvers.deft import skipped_share
 
     kind, _, start_text = variant.partition("@")
-    if kind not in ("sync", "k2") or (kind == "k2" and not start_text.isdigit()):
-        raise ValueError(f"unknown variant {variant!r}: sync or k2@<step>")
+    if kind not in ("sync", "k2", *WIRES) or (kind == "k2" and not start_text.isdigit()):
+        raise ValueError(f"unknown variant {variant!r}: sync, k2@<step>, {', '.join(WIRES)}")
     start = int(start_text) if kind == "k2" else steps
     corpus = tta.load_corpus(6_000_000)
     ranks = [tta.TextBatches(corpus, context=tta.context_of("mini"), batch=8, steps=steps, seed=seed, rank=r,
@@ -52,6 +98,7 @@ def train(variant: str, steps: int, seed: int, noise_every: int) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, tta.lr_lambda(steps, steps // 10, 0.1))
     params = [p for p in model.parameters() if p.requires_grad]
     pending, noise, begun = None, [], time.perf_counter()
+    residuals = [[torch.zeros_like(p) for p in params] for _ in ranks] if kind == "int8-ef" else None
     for t in range(steps):
         grads = []
         for batches in ranks:
@@ -59,10 +106,11 @@ def train(variant: str, steps: int, seed: int, noise_every: int) -> dict:
             model.zero_grad(set_to_none=True)
             model(ids, labels).backward()
             grads.append([p.grad.detach().clone() for p in params])
-        mean = [(a + b) / 2 for a, b in zip(*grads)]
+        exact = [(a + b) / 2 for a, b in zip(*grads)]
+        mean = exact if kind not in WIRES else wire_mean(kind, grads, residuals)
         if noise_every and t % noise_every == 0:
             s = sum(float((a * a).sum() + (b * b).sum()) / 2 for a, b in zip(*grads))
-            m = sum(float((g * g).sum()) for g in mean)
+            m = sum(float((g * g).sum()) for g in exact)
             b = (s - m) / (2 * m - s) if 2 * m - s > 0 else None
             noise.append({"step": t, "b": b, "period2_loses": skipped_share(2, b) if b is not None else 0.0})
         if t >= start and pending is None:  # the first step of a period of 2 only accumulates
@@ -86,7 +134,7 @@ def train(variant: str, steps: int, seed: int, noise_every: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["sync", "k2@0", "k2@400", "k2@600"])
+    parser.add_argument("--variants", nargs="+", default=["sync", "k2@0", "k2@400", "k2@600", "float16", "int8", "int8-ef"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--noise-every", type=int, default=50)
