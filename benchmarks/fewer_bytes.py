@@ -20,6 +20,12 @@ averaged as DDP averages it. Variants (``--variants``):
   each rank's rounding residual and adds it to its next gradient (error feedback, one float32 copy of the
   gradients per rank). Not a deft wire dtype: a measurement of whether one would pay.
 
+``--link RATE`` times instead what each wire costs on a loopback shaped to ``RATE`` (root and iproute2), two gloo
+workers, the model's gradient elements in ``--buckets`` equal buckets, ``--repeats`` rounds with the wires
+interleaved: float32 and float16 all-reduces, and the int8 form as the 8-bit wire would have to send it (gloo
+cannot sum int8 without overflow): an all-gather of each rank's int8 integers and float32 block scales, then a
+local dequantize and sum.
+
 Reported per variant: the final validation loss and its excess over ``sync``'s (the time-to-accuracy target is
 ``sync``'s final loss, and a deft plan must end within 1 % of it), and every ``--noise-every`` steps the gradient
 noise ratio b = tr(Σ)/‖G‖² of the two ranks' step (``deft_compile.preserver.pricing.noise_ratios`` summed over
@@ -132,12 +138,68 @@ def train(variant: str, steps: int, seed: int, noise_every: int) -> dict:
     return {"final_loss": total / count, "noise": noise, "seconds": time.perf_counter() - begun}
 
 
+def link_worker(rank: int, world_size: int, numel: int, buckets: int, repeats: int) -> dict:
+    """One rank of ``--link``: per wire, each round's time for all buckets, issued back to back and waited."""
+    import torch
+    import torch.distributed as dist
+
+    size = numel // buckets
+    scales = -(-size // INT8_BLOCK)
+    tensors = {"float32": [torch.randn(size) for _ in range(buckets)],
+               "float16": [torch.randn(size).half() for _ in range(buckets)],
+               "int8": [(torch.randint(-127, 128, (size,), dtype=torch.int8), torch.rand(scales)) for _ in range(buckets)]}
+
+    def run(wire: str) -> float:
+        dist.barrier()
+        begun = time.perf_counter()
+        if wire == "int8":
+            works = []
+            for q, s in tensors[wire]:
+                gathered_q = torch.empty(world_size * size, dtype=torch.int8)
+                gathered_s = torch.empty(world_size * scales)
+                works.append(dist.all_gather_into_tensor(gathered_q, q, async_op=True))
+                works.append(dist.all_gather_into_tensor(gathered_s, s, async_op=True))
+        else:
+            works = [dist.all_reduce(t, async_op=True) for t in tensors[wire]]
+        for work in works:
+            work.wait()
+        return time.perf_counter() - begun
+
+    times: dict[str, list[float]] = {wire: [] for wire in tensors}
+    for wire in tensors:  # warm-up: connections and buffers
+        run(wire)
+    for round_ in range(repeats):
+        order = list(tensors)[round_ % 3:] + list(tensors)[:round_ % 3]
+        for wire in order:
+            times[wire].append(run(wire))
+    return times
+
+
+def link_report(rate: str, numel: int, buckets: int, repeats: int) -> dict:
+    """``--link``: the slower rank's time per round of each wire on the shaped loopback, median and range."""
+    import statistics
+
+    from deft_compile.tools.bench import network
+    from deft_compile.tools.launcher import run_local_workers
+
+    with network(rate, 1, 2, prefix="deftbytes") as net:
+        results = run_local_workers(link_worker, 2, (numel, buckets, repeats), **net["launch"], timeout_s=1800)
+    slowest = {wire: [max(r.value[wire][i] for r in results) for i in range(repeats)] for wire in results[0].value}
+    base = statistics.median(slowest["float32"])
+    return {"network": net["description"], "numel": numel, "buckets": buckets, "repeats": repeats,
+            "wires": {wire: {"median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3, "max_ms": max(t) * 1e3,
+                             "vs_float32": statistics.median(t) / base} for wire, t in slowest.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=["sync", "k2@0", "k2@400", "k2@600", "float16", "int8", "int8-ef"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--noise-every", type=int, default=50)
+    parser.add_argument("--link", metavar="RATE", help="time the wires on a loopback shaped to RATE instead")
+    parser.add_argument("--buckets", type=int, default=13)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch
@@ -145,6 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     from deft_compile.tools.provenance import provenance, script_command
 
     torch.set_num_threads(2)
+    if args.link:
+        import tta
+
+        numel = sum(p.numel() for p in tta.build_model("mini").parameters())
+        report = {"provenance": provenance(command=script_command(__file__, argv)),
+                  "link": link_report(args.link, numel, args.buckets, args.repeats)}
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        for wire, row in report["link"]["wires"].items():
+            print(f"{wire}: {row['median_ms']:.1f} ms [{row['min_ms']:.1f}-{row['max_ms']:.1f}], "
+                  f"{row['vs_float32']:.2f}x float32")
+        return 0
     report = {"provenance": provenance(command=script_command(__file__, argv)), "steps": args.steps, "seeds": {}}
     for seed in args.seeds:
         rows = report["seeds"][str(seed)] = {}

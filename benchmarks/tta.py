@@ -265,6 +265,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "deft-float32": {"wire_dtypes": ["float32"]},
     # deft's defaults with bfloat16 the only 16-bit wire (no error feedback): what bfloat16's round-off costs
     "deft-bf16": {"wire_dtypes": ["float32", "bfloat16"]},
+    # deft's defaults allowed the 8-bit wire too (``DeftConfig(wire_dtypes=WIRE_DTYPES)``), each bucket's wire by price
+    "deft-int8": {"wire_dtypes": ["float32", "bfloat16", "float16", "int8"]},
     # a round-off control: DDP again, from initial weights one ulp away (a random direction per element)
     "ddp-ulp": {"ddp": {"perturb_ulps": 1}},
     # torch.compile(DDP) (DDPOptimizer splits the graph at bucket boundaries); Inductor unless the deft variants run

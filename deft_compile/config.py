@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deft_compile.planner.bucketing import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, BucketSizes, MiB
-from deft_compile.planner.plan import WIRE_DTYPES, WIRE_FULL, check_wire_dtype
+from deft_compile.planner.plan import DEFAULT_WIRE_DTYPES, WIRE_FULL, check_wire_dtype
 from deft_compile.preserver import PreserverConfig
 from deft_compile.planner.closed_loop import ClosedLoopConfig
 from deft_compile.compilers import check_compiler, default_compiler
@@ -136,7 +136,7 @@ class DeftConfig(BucketSizes):
     delayed_update: str = "auto"
     contention: float | None = 0.0
     dynamic_shapes: bool = True
-    wire_dtypes: tuple[str, ...] = WIRE_DTYPES
+    wire_dtypes: tuple[str, ...] = DEFAULT_WIRE_DTYPES
 
     def __post_init__(self) -> None:
         if isinstance(self.preserver, dict):  # as a config file spells it

@@ -22,7 +22,8 @@ ALL_REDUCE_ = c10d.all_reduce_.default  # in place: no copy of its input (``all_
 BROADCAST = c10d.broadcast.default
 BROADCAST_ = c10d.broadcast_.default
 WAIT = c10d.wait_tensor.default
-COLLECTIVES = (ALL_REDUCE, ALL_REDUCE_, BROADCAST, BROADCAST_)
+ALL_GATHER = c10d.all_gather_into_tensor.default  # the 8-bit wire: every rank's bytes, summed locally
+COLLECTIVES = (ALL_REDUCE, ALL_REDUCE_, BROADCAST, BROADCAST_, ALL_GATHER)
 
 
 def shape_of(node: fx.Node) -> torch.Size:

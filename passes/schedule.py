@@ -66,6 +66,17 @@ copied back into float32 (into the persistent bucket for items applied in this
 step, which the gradients view, as DDP's decompression copies into its
 bucket). An accumulated sum of ``count`` gradients is divided by ``count`` in
 float32 before the cast. A carried narrowed item carries the 16-bit tensor.
+
+An item with the 8-bit wire (``wire_dtype`` ``torch.int8``) cannot be summed on
+the link (8-bit sums overflow), so every rank's bytes are gathered and summed
+locally: the flat gradient, divided by ``count * world_size``, is cut per slice
+into blocks of ``INT8_BLOCK`` elements (each slice padded with zeros to whole
+blocks, so a block never mixes two parameters); each block is sent as the
+integers round(g / s) in [-127, 127] with s = max|g| / 127, followed by the
+blocks' float32 scales, in one byte tensor (``all_gather_into_tensor``). The
+receiver dequantizes every rank's row, sums them in float32 in rank order (the
+same sum on every rank: replicas stay identical) and drops the padding. A
+carried 8-bit item carries its byte tensor.
 """
 
 from __future__ import annotations
@@ -79,7 +90,9 @@ import torch.fx as fx
 
 from deft_compile.ir import ops
 from deft_compile.ir.layout import GraphLayout
-from deft_compile.passes.collectives import ALL_REDUCE, ALL_REDUCE_, WAIT, flat_view, persistent_buffer, shaped_view
+from deft_compile.passes.collectives import (ALL_GATHER, ALL_REDUCE, ALL_REDUCE_, WAIT, flat_view, persistent_buffer,
+                                             shaped_view)
+from deft_compile.planner.plan import INT8_BLOCK
 
 aten = torch.ops.aten
 _getitem = operator.getitem
@@ -343,6 +356,8 @@ class _ScheduleRewriter:
         into a persistent wire buffer (items applied in this step), else into a fresh tensor."""
         if item.wire_dtype is None:
             return self._scaled(local, item, owned=owned)
+        if item.wire_dtype is torch.int8:
+            return self._quantized(self._scaled(local, item), item)
         count = self.phases[item.id].count
         if count > 1:
             op = aten.mul_.Tensor if owned else aten.mul.Tensor
@@ -356,15 +371,76 @@ class _ScheduleRewriter:
             cast = self.graph.call_function(aten._to_copy.default, (local,), {"dtype": item.wire_dtype})
         return self.graph.call_function(aten.div_.Tensor, (cast, item.world_size))
 
-    def _from_wire(self, averaged: fx.Node, item: ScheduledItem, *, bucket: fx.Node | None = None) -> fx.Node:
-        """The waited result of ``item``'s all-reduce in the gradient's dtype: as it is at full precision; a
-        16-bit wire's copied back into ``bucket`` (the persistent float32 bucket its gradients view) or cast."""
+    def _launch(self, flat: fx.Node, item: ScheduledItem) -> fx.Node:
+        """The collective that sends ``flat`` (what ``_to_wire`` made): an in-place sum, or for the 8-bit wire a
+        gather of every rank's bytes."""
+        if item.wire_dtype is torch.int8:
+            return self.graph.call_function(ALL_GATHER, (flat, item.world_size, item.group_name))
+        return self.graph.call_function(ALL_REDUCE_, (flat, "sum", item.group_name))
+
+    def _from_wire(self, averaged: fx.Node, item: ScheduledItem, *, bucket: fx.Node | None = None,
+                   ranks: int | None = None) -> fx.Node:
+        """The waited result of ``item``'s collective in the gradient's dtype: as it is at full precision; a
+        16-bit wire's copied back into ``bucket`` (the persistent float32 bucket its gradients view) or cast; the
+        8-bit wire's ``ranks`` rows (default: the world; 1 for this rank's own bytes) dequantized and summed."""
         if item.wire_dtype is None:
             return averaged
+        if item.wire_dtype is torch.int8:
+            averaged = self._dequantized(averaged, item, item.world_size if ranks is None else ranks)
+            return averaged if bucket is None else self.graph.call_function(aten.copy_.default, (bucket, averaged))
         if bucket is not None:
             return self.graph.call_function(aten.copy_.default, (bucket, averaged))
         dtype = self.markers[item.slices[0].param].meta["val"].dtype
         return self.graph.call_function(aten._to_copy.default, (averaged,), {"dtype": dtype})
+
+    def _int8_layout(self, item: ScheduledItem) -> tuple[list[int], list[int], int]:
+        """(slice counts, the counts padded to whole ``INT8_BLOCK`` blocks, the number of blocks)."""
+        counts = [s.count for s in item.slices]
+        padded = [-(-count // INT8_BLOCK) * INT8_BLOCK for count in counts]
+        return counts, padded, sum(padded) // INT8_BLOCK
+
+    def _quantized(self, flat: fx.Node, item: ScheduledItem) -> fx.Node:
+        """``flat`` (float, already divided for the mean) as the 8-bit wire's bytes: each slice padded to whole
+        blocks, per block the integers round(g / s) clamped to [-127, 127] with s = max|g| / 127 (1 where the block
+        is zero), then the float32 scales, all viewed as ``uint8`` in one tensor."""
+        g = self.graph.call_function
+        counts, padded, blocks = self._int8_layout(item)
+        if counts != padded:
+            if len(counts) == 1:
+                pieces = [flat]
+            else:
+                split = g(aten.split_with_sizes.default, (flat, counts))
+                pieces = [g(operator.getitem, (split, i)) for i in range(len(counts))]
+            flat = g(aten.cat.default, ([g(aten.constant_pad_nd.default, (piece, [0, pad - count], 0.0))
+                                         for piece, count, pad in zip(pieces, counts, padded)],))
+        rows = g(aten.view.default, (g(aten._to_copy.default, (flat,), {"dtype": torch.float32}), [blocks, INT8_BLOCK]))
+        scale = g(aten.div.Tensor, (g(aten.amax.default, (g(aten.abs.default, (rows,)), [1], True)), 127.0))
+        safe = g(aten.where.ScalarOther, (g(aten.gt.Scalar, (scale, 0.0)), scale, 1.0))
+        ints = g(aten.clamp.default, (g(aten.round.default, (g(aten.div.Tensor, (rows, safe)),)), -127.0, 127.0))
+        ints = g(aten._to_copy.default, (ints,), {"dtype": torch.int8})
+        as_bytes = [g(aten.view.dtype, (g(aten.view.default, (ints, [-1])), torch.uint8)),
+                    g(aten.view.dtype, (g(aten.view.default, (scale, [-1])), torch.uint8))]
+        return self._made(g(aten.cat.default, (as_bytes,)))
+
+    def _dequantized(self, gathered: fx.Node, item: ScheduledItem, ranks: int) -> fx.Node:
+        """The sum over ``ranks`` rows of the 8-bit wire's bytes (``_quantized``), in the gradients' dtype, without
+        the padding."""
+        g = self.graph.call_function
+        counts, padded, blocks = self._int8_layout(item)
+        ints_bytes = blocks * INT8_BLOCK
+        table = g(aten.view.default, (gathered, [ranks, ints_bytes + 4 * blocks]))
+        ints = g(aten.view.dtype, (g(aten.slice.Tensor, (table, 1, 0, ints_bytes)), torch.int8))
+        scales = g(aten.view.dtype, (g(aten.slice.Tensor, (table, 1, ints_bytes, ints_bytes + 4 * blocks)), torch.float32))
+        values = g(aten.mul.Tensor, (g(aten.view.default, (g(aten._to_copy.default, (ints,), {"dtype": torch.float32}),
+                                                          [ranks, blocks, INT8_BLOCK])),
+                                     g(aten.view.default, (scales, [ranks, blocks, 1]))))
+        flat = g(aten.view.default, (g(aten.sum.dim_IntList, (values, [0])), [-1]))
+        if counts != padded:
+            split = g(aten.split_with_sizes.default, (flat, padded))
+            pieces = [g(aten.slice.Tensor, (g(operator.getitem, (split, i)), 0, 0, count)) for i, count in enumerate(counts)]
+            flat = pieces[0] if len(pieces) == 1 else g(aten.cat.default, (pieces,))
+        dtype = self.markers[item.slices[0].param].meta["val"].dtype
+        return flat if dtype == torch.float32 else g(aten._to_copy.default, (flat,), {"dtype": dtype})
 
     def _owned(self, node: fx.Node) -> bool:
         """Whether ``node`` is a fresh tensor only this item's emission made (safe to write in place). A 1-D
@@ -485,7 +561,7 @@ class _ScheduleRewriter:
                 if item.apply == APPLY_NEXT_UPDATE:
                     self._carry_out[pending_key(item.id)] = flat
                     continue
-                reduced = self.graph.call_function(ALL_REDUCE_, (flat, "sum", item.group_name))
+                reduced = self._launch(flat, item)
             last_anchor[item.group_name], last_emitted[item.group_name] = anchor, insert_at.prev
             if item.apply == APPLY_NEXT_FORWARD:
                 self._carry_out[pending_key(item.id)] = reduced
@@ -570,7 +646,7 @@ class _ScheduleRewriter:
                     continue
                 with self.graph.inserting_before(self._carried_launch_point(item)):
                     # The carried local gradient is this item's own tensor (made by the previous call).
-                    reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
+                    reduced = self._launch(pending, item)
                 point = self._first_update(item.params)
                 with self.graph.inserting_before(point):
                     averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item)
@@ -578,7 +654,7 @@ class _ScheduleRewriter:
             elif self.flush and phase.accumulated_in:
                 with self.graph.inserting_before(self.first_compute):
                     flat = self._to_wire(carried[accumulator_key(item.id)], item)  # the copy that is launched
-                    reduced = self.graph.call_function(ALL_REDUCE_, (flat, "sum", item.group_name))
+                    reduced = self._launch(flat, item)
                 point = self._first_update(item.params)
                 with self.graph.inserting_before(point):
                     averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item)
@@ -634,9 +710,9 @@ class _ScheduleRewriter:
         pending = carried[pending_key(item.id)]
         with self.graph.inserting_before(self._carried_launch_point(item)):
             # the previous local gradient as it was sent (in the gradient's dtype: g_{t-1} rounded to the wire)
-            sent = self._from_wire(pending, item)
+            sent = self._from_wire(pending, item, ranks=1)
             previous = self.graph.call_function(aten.mul.Tensor, (sent, float(item.world_size)))
-            reduced = self.graph.call_function(ALL_REDUCE_, (pending, "sum", item.group_name))
+            reduced = self._launch(pending, item)
         with self.graph.inserting_before(point):
             averaged = self._from_wire(self.graph.call_function(WAIT, (reduced,)), item)
             correction = self.graph.call_function(aten.sub.Tensor, (averaged, previous))

@@ -1,4 +1,5 @@
-"""Wire precision: a plan item crosses the link in float32 (the gradients as they are), bfloat16 or float16.
+"""Wire precision: a plan item crosses the link in float32 (the gradients as they are), bfloat16 or float16 (the
+8-bit wire: tests/test_int8_wire.py).
 
 The plan data (JSON, validation, table), the simulator's and solvers' pricing by the bytes on the wire, the
 configuration, what gloo takes, and the step against torch DDP with the compression hook of the same dtype
@@ -129,7 +130,8 @@ def test_the_table_shows_the_wire_dtype_and_its_bytes():
 
 
 @pytest.mark.parametrize("dtype, wire, message", [
-    ("float32", "int8", "unknown wire dtype"),
+    ("float32", "int4", "unknown wire dtype"),
+    ("bfloat16", "int8", "cannot cross the link as int8"),
     ("bfloat16", "float16", "cannot cross the link as float16"),
     ("float16", "bfloat16", "cannot cross the link as bfloat16"),
     ("int64", "float16", "cannot cross the link as float16"),
@@ -187,7 +189,7 @@ def test_the_allowed_wire_dtypes_are_checked():
         solve(profile, "dssync", wire_dtype="bfloat16")
     assert solve(profile, "dssync", wire_dtype="bfloat16", average="gradients").items[0].wire_dtype == "bfloat16"
     assert DeftConfig().wire_dtypes == ("float32", "bfloat16", "float16")
-    for bad in ({"wire_dtypes": ("float16",)}, {"wire_dtypes": ("float32", "int8")},
+    for bad in ({"wire_dtypes": ("float16",)}, {"wire_dtypes": ("float32", "int4")},
                 {"wire_dtypes": ("float32",), "plan_options": {"wire_dtype": "float16"}}):
         with pytest.raises(ValueError):
             DeftConfig(**bad)

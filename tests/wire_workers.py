@@ -11,6 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from deft_compile import DeftConfig, deft_compile
+from deft_compile.planner.plan import INT8_BLOCK, WIRE_DTYPES
 from models import CASES, TinyTransformerLM
 from lm_models import lm_loss
 from workers import POLICY_OPTIONS, _compare, _ddp_pair, _named_state, _step_beside_ddp, case_setup, synthetic_profile
@@ -41,8 +42,47 @@ def bf16_hook(state, bucket):  # no annotations: DDP compares them with its type
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
+def int8_bytes(flat: torch.Tensor) -> torch.Tensor:
+    """The 8-bit wire's bytes of one parameter's flat gradient share (docs/POLICIES.md, "Wire precision"): padded
+    to whole blocks of ``INT8_BLOCK``, per block round(g / s) clamped to [-127, 127] with s = max|g| / 127 (1 for a
+    zero block), then the scales, as ``uint8``."""
+    blocks = torch.nn.functional.pad(flat, (0, (-flat.numel()) % INT8_BLOCK)).view(-1, INT8_BLOCK)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, 1.0)
+    ints = torch.clamp(torch.round(blocks / safe), -127.0, 127.0).to(torch.int8)
+    return torch.cat([ints.view(-1).view(torch.uint8), scale.view(-1).view(torch.uint8)])
+
+
+def int8_sum(rows: torch.Tensor, numel: int) -> torch.Tensor:
+    """The float32 sum over the ranks' rows of ``int8_bytes`` (``[world, bytes]``), without the padding."""
+    blocks = rows.shape[1] // (INT8_BLOCK + 4)
+    ints = rows[:, :blocks * INT8_BLOCK].view(torch.int8).float().view(rows.shape[0], blocks, INT8_BLOCK)
+    scales = rows[:, blocks * INT8_BLOCK:].view(torch.float32).view(rows.shape[0], blocks, 1)
+    return (ints * scales).sum(0).view(-1)[:numel]
+
+
+def int8_hook(state, bucket):  # no annotations, as ``bf16_hook``
+    """A DDP hook with the 8-bit wire's arithmetic, per parameter: each rank's gradient divided by the world size
+    and sent as ``int8_bytes`` (an all-gather: 8-bit sums overflow), every rank's rows dequantized and summed."""
+    world = dist.get_world_size()
+    grads = bucket.gradients()
+    rows = [int8_bytes(g.reshape(-1) * (1.0 / world)) for g in grads]
+    packed = torch.cat(rows)
+    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8)
+    dist.all_gather_into_tensor(gathered, packed)
+    table = gathered.view(world, -1)
+    out, at = [], 0
+    for g, row in zip(grads, rows):
+        out.append(int8_sum(table[:, at:at + row.numel()], g.numel()))
+        at += row.numel()
+    bucket.buffer().copy_(torch.cat(out))
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 #: the DDP communication hook that sends each wire dtype (the arithmetic a narrowed plan item must match)
-HOOKS = {"float16": default_hooks.fp16_compress_hook, "bfloat16": bf16_hook}
+HOOKS = {"float16": default_hooks.fp16_compress_hook, "bfloat16": bf16_hook, "int8": int8_hook}
 
 
 def register_hook_by_name(rank: int, world_size: int, wire_dtype: str) -> str:
@@ -117,7 +157,7 @@ def wire_beside_ddp(rank: int, world_size: int, case: str, steps: int, wire_dtyp
         compiled = DistributedDataParallel(torch.compile(compiled_model), **ddp_kwargs)
         compiled.register_comm_hook(None, HOOKS[wire_dtype])
         sides.append((compiled_model, compiled, make_optimizer(compiled_model)))
-    config = DeftConfig(plan_options={"wire_dtype": wire_dtype}, **BUCKETS,
+    config = DeftConfig(plan_options={"wire_dtype": wire_dtype}, **BUCKETS, wire_dtypes=WIRE_DTYPES,
                         **({"compiler": compiler} if compiler else {}))
     step = deft_compile(deft_model, make_optimizer(deft_model), loss_fn, policy="wfbp", config=config)
     report = _steps(rank, steps, make_batch, loss_fn, sides, step)
@@ -138,7 +178,8 @@ def priority_wire_beside_ddp(rank: int, world_size: int, case: str, steps: int, 
     scratch = copy.deepcopy(base)
     profile = synthetic_profile(scratch, make_optimizer(scratch), loss_fn, batches[0], world_size)
     step = deft_compile(deft_model, deft_optimizer, loss_fn, policy=policy, profile=profile,
-                        config=DeftConfig(plan_options={**POLICY_OPTIONS[policy], "wire_dtype": wire_dtype}))
+                        config=DeftConfig(plan_options={**POLICY_OPTIONS[policy], "wire_dtype": wire_dtype},
+                                          wire_dtypes=WIRE_DTYPES))
     report, carried = [], set()
     for t, (inputs, targets) in enumerate(batches):
         entry, deferred = _step_beside_ddp(step, rank, t, inputs, targets, loss_fn, ddp, ddp_model, ddp_optimizer,
@@ -161,6 +202,7 @@ def delayed_wire_run(rank: int, world_size: int, case: str, steps: int, wire_dty
     model, optimizer, loss_fn, batches, profile = case_setup(case, rank, world_size, steps)
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(plan_options={**POLICY_OPTIONS["deft"], "wire_dtype": wire_dtype},
+                                          wire_dtypes=WIRE_DTYPES,
                                           accumulation_steps=accumulation_steps, delayed_update=delayed_update))
     carried = set()
     for t, (inputs, targets) in enumerate(batches):

@@ -75,10 +75,17 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
-#: the dtypes a communication item may cross the link in; the first, full precision, is the default
-WIRE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+#: the dtypes a communication item may cross the link in; the first, full precision, is the default. ``"int8"`` is
+#: the 8-bit wire: blocks of ``INT8_BLOCK`` elements, each sent as 8-bit integers with one float32 scale, gathered
+#: from every rank and summed locally (``passes/schedule.py``)
+WIRE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "int8")
+#: the wire dtypes ``DeftConfig.wire_dtypes`` allows by default: full precision and the two 16-bit ones
+DEFAULT_WIRE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 WIRE_FULL = "float32"
-#: gradient dtypes a 16-bit wire may narrow (floating and wider than 16 bits)
+WIRE_INT8 = "int8"
+#: elements per block of the 8-bit wire (one float32 scale each)
+INT8_BLOCK = 256
+#: gradient dtypes a narrower wire may narrow (floating and wider than 16 bits)
 NARROWABLE_DTYPES: frozenset[str] = frozenset({"float32", "float", "float64", "double"})
 
 
@@ -96,10 +103,15 @@ def may_narrow(dtype: str) -> bool:
     return (dtype[len("torch."):] if dtype.startswith("torch.") else dtype) in NARROWABLE_DTYPES
 
 
-def wire_element_bytes(dtype: str, wire_dtype: str) -> int:
-    """Bytes per element on the link of a gradient of ``dtype`` sent as ``wire_dtype``: the wire's where it
-    narrows the gradient, the gradient's own otherwise (full precision, or a dtype that does not narrow)."""
+def wire_element_bytes(dtype: str, wire_dtype: str, world_size: int = 2) -> float:
+    """Bytes per element on the link of a gradient of ``dtype`` sent as ``wire_dtype``, in the all-reduce bytes the
+    link's cost (``LinkCost``, fitted on all-reduces) is in: the wire's where it narrows the gradient, the gradient's
+    own otherwise (full precision, or a dtype that does not narrow). The 8-bit wire is an all-gather: each rank
+    receives the other ranks' bytes, (W − 1)·n, where a ring all-reduce of n bytes moves 2(W − 1)/W·n, so its byte
+    and its scale per ``INT8_BLOCK`` elements count ``W / 2`` times (at 2 ranks, as an all-reduce of them)."""
     if wire_dtype != WIRE_FULL and may_narrow(dtype):
+        if wire_dtype == WIRE_INT8:
+            return (1.0 + dtype_bytes("float32") / INT8_BLOCK) * max(1.0, world_size / 2.0)
         return dtype_bytes(wire_dtype)
     return dtype_bytes(dtype)
 
@@ -400,12 +412,12 @@ class CommItem:
 
     def nbytes(self, profile: Profile) -> int:
         """Bytes it sends over the link: its elements at the wire dtype's size."""
-        return sum(s.count * wire_element_bytes(profile.params[s.param].dtype, self.wire_dtype)
-                   for s in self.slices)
+        return int(sum(s.count * wire_element_bytes(profile.params[s.param].dtype, self.wire_dtype, profile.world_size)
+                       for s in self.slices))
 
     @property
     def narrowed(self) -> bool:
-        """Whether it crosses the link in a 16-bit wire dtype."""
+        """Whether it crosses the link in a narrower wire dtype (16 or 8 bits)."""
         return self.wire_dtype != WIRE_FULL
 
     def params(self) -> list[int]:

@@ -194,7 +194,7 @@ def _structure(profile: Profile, plan: Plan) -> _Structure:
         last_param = 0
         narrowed = item.narrowed  # the bytes on the wire: a narrowed item's elements at the wire dtype's size
         for s in item.slices:
-            nbytes += s.count * (wire_element_bytes(params[s.param].dtype, item.wire_dtype) if narrowed
+            nbytes += s.count * (wire_element_bytes(params[s.param].dtype, item.wire_dtype, profile.world_size) if narrowed
                                  else element_bytes[s.param])
             if s.param > last_param:
                 last_param = s.param

@@ -1,7 +1,8 @@
-"""Measures what a 16-bit wire would do to this rank's gradients: the numbers ``wire_pricing`` prices.
+"""Measures what a narrower wire would do to this rank's gradients: the numbers ``wire_pricing`` prices.
 
-For each gradient g and each 16-bit dtype it computes the error of the cast the step performs on the link,
-``ε = q(g / W) − g / W`` (q: round to the dtype and back, as the all-reduce's input is), with ‖g‖ and ‖g‖²:
+For each gradient g and each narrower wire dtype it computes the error of the rounding the step performs on the
+link, ``ε = q(g / W) − g / W`` (q: round to the dtype and back, as the all-reduce's input is; for the 8-bit wire,
+``int8_round_trip``: the blocks of the parameter's gradient as they arrive), with ‖g‖ and ‖g‖²:
 one rank's row, summed over ranks by the caller before pricing. Norms are taken in the optimizer's metric
 where it has one (``metric_weights``).
 """
@@ -36,6 +37,19 @@ def metric_weights(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     return weights
 
 
+def int8_round_trip(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (a float32 gradient share, one parameter's) as the 8-bit wire delivers it (``passes/schedule.py``):
+    per block of ``INT8_BLOCK`` elements round(g / s) · s with s = max|g| / 127. The step's blocks start at each
+    plan slice; a parameter split over several items has its blocks start elsewhere, which this estimate ignores."""
+    from deft_compile.planner.plan import INT8_BLOCK
+
+    numel = flat.numel()
+    blocks = torch.nn.functional.pad(flat.reshape(-1), (0, (-numel) % INT8_BLOCK)).view(-1, INT8_BLOCK)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, 1.0)
+    return (torch.clamp(torch.round(blocks / safe), -127.0, 127.0) * scale).view(-1)[:numel].view_as(flat)
+
+
 def cast_error_norms(gradients: Sequence[torch.Tensor | None], world_size: int, dtypes: Sequence[str],
                      weights: Sequence[torch.Tensor | None] | None = None) -> list[float]:
     """One rank's numbers, per gradient: ‖g‖, ‖g‖², then per dtype ‖q(g / W) − g / W‖ (all in float64, weighted
@@ -51,7 +65,8 @@ def cast_error_norms(gradients: Sequence[torch.Tensor | None], world_size: int, 
         norm = float(torch.linalg.vector_norm(exact))
         row.extend([norm, norm * norm])
         for dtype in dtypes:
-            error = share.to(getattr(torch, dtype)).to(share.dtype).double() - share.double()
+            rounded = int8_round_trip(share) if dtype == "int8" else share.to(getattr(torch, dtype)).to(share.dtype)
+            error = rounded.double() - share.double()
             if weight is not None:
                 error = error * weight.double()
             row.append(float(torch.linalg.vector_norm(error)))

@@ -1,7 +1,8 @@
-"""The Preserver's price of a 16-bit wire: what a bucket's rounding on the link costs, in ms per step.
+"""The Preserver's price of a narrower wire: what a bucket's rounding on the link costs, in ms per step.
 
 A bucket sent in a 16-bit dtype is divided by the world size, rounded to the wire dtype, summed by the
-all-reduce and widened back (DDP's compression hooks do the same). The averaged gradient ḡ then carries an
+all-reduce and widened back (DDP's compression hooks do the same); one sent on the 8-bit wire is divided by the
+world size, rounded per block to 8-bit integers with a float32 scale, gathered and summed in float32. The averaged gradient ḡ then carries an
 error E. Rank r rounds its share g_r / W with an error ε_r (measured: ``wire_error.cast_error_norms``), and the
 all-reduce's own additions round W − 1 partial sums, each by at most the unit round-off u of the dtype::
 
@@ -31,8 +32,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-#: unit round-off of each 16-bit wire dtype (round to nearest): half the gap between 1 and the next number
-UNIT_ROUND_OFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+#: unit round-off of the sums of each wire dtype (round to nearest): half the gap between 1 and the next number; the
+#: 8-bit wire's ranks are summed locally in float32
+UNIT_ROUND_OFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "int8": 2.0 ** -24}
 
 
 def wire_shares(names: Sequence[str], dtypes: Sequence[str], sums: Sequence[float],

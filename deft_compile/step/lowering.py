@@ -415,7 +415,8 @@ class PinnedCollectiveChoices(_choices_base()):  # type: ignore[misc]
 
 
 def collective_order(source_code: str) -> list[str]:
-    """The generated wrapper's calls, in order, as ``"all_reduce"``, ``"wait"``, ``"broadcast"`` or ``"kernel"``.
+    """The generated wrapper's calls, in order, as ``"all_reduce"``, ``"all_gather"``, ``"wait"``, ``"broadcast"`` or
+    ``"kernel"``.
 
     For tests and ``deft-compile explain``: shows where Inductor launches and
     waits each collective relative to its compute kernels.
@@ -436,6 +437,8 @@ def collective_order(source_code: str) -> list[str]:
             continue
         if "_c10d_functional.all_reduce" in line:
             events.append("all_reduce")
+        elif "_c10d_functional.all_gather_into_tensor" in line:
+            events.append("all_gather")
         elif "_c10d_functional.broadcast" in line:
             events.append("broadcast")
         elif "_c10d_functional.wait_tensor" in line:

@@ -234,11 +234,11 @@ class RegionalProgram:
 
     def event_order(self) -> list[str]:
         """What the program runs, in order: ``"region"`` per compiled region, and the plan's collectives (``"all_reduce"``,
-        ``"wait"``, ``"broadcast"``) where its glue runs them (for tests and ``explain``)."""
+        ``"all_gather"``, ``"wait"``, ``"broadcast"``) where its glue runs them (for tests and ``explain``)."""
         c10d = torch.ops._c10d_functional
         names = {c10d.all_reduce.default: "all_reduce", c10d.all_reduce_.default: "all_reduce",
                  c10d.wait_tensor.default: "wait", c10d.broadcast.default: "broadcast",
-                 c10d.broadcast_.default: "broadcast"}
+                 c10d.broadcast_.default: "broadcast", c10d.all_gather_into_tensor.default: "all_gather"}
         events: list[str] = []
         for segment in self.segments:
             if segment.is_region:

@@ -483,7 +483,7 @@ def _bucket_shares(profile: Profile, buckets: list[list[int]], synchronous: list
     bucket_bytes = np.zeros(n, dtype=np.int64)
     for b, bucket in enumerate(buckets):
         numel = sum(profile.params[p].numel for p in bucket)
-        element_bytes = wire_element_bytes(profile.params[bucket[0]].dtype, synchronous[b].wire_dtype)
+        element_bytes = wire_element_bytes(profile.params[bucket[0]].dtype, synchronous[b].wire_dtype, profile.world_size)
         shares = link_shares(numel, element_bytes, profile.links, link_ids)
         pieces = split_slices(slices[b], [c for _, c in shares])
         for (link, count), piece in zip(shares, pieces):

@@ -35,7 +35,7 @@ class LayerContext:
                                          minlength=len(self.layers))
         self.param_update = np.array([p.update_ms for p in params], dtype=float)
         self.param_numel = np.array([p.numel for p in params], dtype=np.int64)
-        self.element_bytes = np.array([wire_element_bytes(p.dtype, wire_dtype) for p in params], dtype=np.int64)
+        self.element_bytes = np.array([wire_element_bytes(p.dtype, wire_dtype, profile.world_size) for p in params])
         self.param_bytes = self.param_numel * self.element_bytes
         self.keys = profile.bucket_keys()
         #: gradient-ready time of each param, measured from the backward start
