@@ -70,7 +70,7 @@ float32 before the cast. A carried narrowed item carries the 16-bit tensor.
 An item with the 8-bit wire (``wire_dtype`` ``torch.int8``) cannot be summed on
 the link (8-bit sums overflow), so every rank's bytes are gathered and summed
 locally: the flat gradient, divided by ``count * world_size``, is cut per slice
-into blocks of ``INT8_BLOCK`` elements (each slice padded with zeros to whole
+into blocks of ``block`` elements (each slice padded with zeros to whole
 blocks, so a block never mixes two parameters); each block is sent as the
 integers round(g / s) in [-127, 127] with s = max|g| / 127, followed by the
 blocks' float32 scales, in one byte tensor (``all_gather_into_tensor``). The
@@ -92,7 +92,6 @@ from deft_compile.ir import ops
 from deft_compile.ir.layout import GraphLayout
 from deft_compile.passes.collectives import (ALL_GATHER, ALL_REDUCE, ALL_REDUCE_, WAIT, flat_view, persistent_buffer,
                                              shaped_view)
-from deft_compile.planner.plan import INT8_BLOCK
 
 aten = torch.ops.aten
 _getitem = operator.getitem
@@ -144,7 +143,8 @@ class ScheduledItem:
     offset: int = 0
     drop: DropSpec | None = None
     local_first: bool = False  # next-update, period 1: apply the local gradient now, correct it next step
-    wire_dtype: torch.dtype | None = None  # the 16-bit dtype it crosses the link in; None: the gradients' own
+    wire_dtype: torch.dtype | None = None  # the narrower dtype it crosses the link in; None: the gradients' own
+    block: int = 256  # the 8-bit wire (``torch.int8``): elements per block, one float32 scale each
 
     @property
     def params(self) -> list[int]:
@@ -394,10 +394,10 @@ class _ScheduleRewriter:
         return self.graph.call_function(aten._to_copy.default, (averaged,), {"dtype": dtype})
 
     def _int8_layout(self, item: ScheduledItem) -> tuple[list[int], list[int], int]:
-        """(slice counts, the counts padded to whole ``INT8_BLOCK`` blocks, the number of blocks)."""
+        """(slice counts, the counts padded to whole blocks of ``item.block``, the number of blocks)."""
         counts = [s.count for s in item.slices]
-        padded = [-(-count // INT8_BLOCK) * INT8_BLOCK for count in counts]
-        return counts, padded, sum(padded) // INT8_BLOCK
+        padded = [-(-count // item.block) * item.block for count in counts]
+        return counts, padded, sum(padded) // item.block
 
     def _quantized(self, flat: fx.Node, item: ScheduledItem) -> fx.Node:
         """``flat`` (float, already divided for the mean) as the 8-bit wire's bytes: each slice padded to whole
@@ -413,7 +413,7 @@ class _ScheduleRewriter:
                 pieces = [g(operator.getitem, (split, i)) for i in range(len(counts))]
             flat = g(aten.cat.default, ([g(aten.constant_pad_nd.default, (piece, [0, pad - count], 0.0))
                                          for piece, count, pad in zip(pieces, counts, padded)],))
-        rows = g(aten.view.default, (g(aten._to_copy.default, (flat,), {"dtype": torch.float32}), [blocks, INT8_BLOCK]))
+        rows = g(aten.view.default, (g(aten._to_copy.default, (flat,), {"dtype": torch.float32}), [blocks, item.block]))
         scale = g(aten.div.Tensor, (g(aten.amax.default, (g(aten.abs.default, (rows,)), [1], True)), 127.0))
         safe = g(aten.where.ScalarOther, (g(aten.gt.Scalar, (scale, 0.0)), scale, 1.0))
         ints = g(aten.clamp.default, (g(aten.round.default, (g(aten.div.Tensor, (rows, safe)),)), -127.0, 127.0))
@@ -427,12 +427,12 @@ class _ScheduleRewriter:
         the padding."""
         g = self.graph.call_function
         counts, padded, blocks = self._int8_layout(item)
-        ints_bytes = blocks * INT8_BLOCK
+        ints_bytes = blocks * item.block
         table = g(aten.view.default, (gathered, [ranks, ints_bytes + 4 * blocks]))
         ints = g(aten.view.dtype, (g(aten.slice.Tensor, (table, 1, 0, ints_bytes)), torch.int8))
         scales = g(aten.view.dtype, (g(aten.slice.Tensor, (table, 1, ints_bytes, ints_bytes + 4 * blocks)), torch.float32))
         values = g(aten.mul.Tensor, (g(aten.view.default, (g(aten._to_copy.default, (ints,), {"dtype": torch.float32}),
-                                                          [ranks, blocks, INT8_BLOCK])),
+                                                          [ranks, blocks, item.block])),
                                      g(aten.view.default, (scales, [ranks, blocks, 1]))))
         flat = g(aten.view.default, (g(aten.sum.dim_IntList, (values, [0])), [-1]))
         if counts != padded:

@@ -28,6 +28,7 @@ from deft_compile.passes.schedule import (
 )
 from deft_compile.step.pipeline import CommGroup
 from deft_compile.planner.plan import (
+    INT8_BLOCK,
     BEFORE_FORWARD_PREFIX,
     UPDATE_AT_NEXT_STEP,
     UPDATE_AT_STEP,
@@ -161,6 +162,7 @@ def scheduled_items(
                 offset=item.period_offset,
                 drop=drop,
                 wire_dtype=wire_torch_dtype(item.wire_dtype),
+                block=INT8_BLOCK,
             )
         )
     return items
