@@ -109,11 +109,12 @@ class DeftConfig(BucketSizes):
             because the first-step probe is noisy on a shared CPU host (it varies several-fold across launches
             of one model and link) and the closed loop measures it there from the step thread's run-queue delay.
         wire_dtypes: the dtypes a plan may send gradients over the link in (``"float32"``, the gradients as
-            they are, and the 16-bit ``"bfloat16"`` and ``"float16"``); ``plan_options={"wire_dtype": ...}``
-            asks for one of them for every bucket of float32 gradients. All three by default: ``deft`` narrows
-            a bucket where the link time it saves beats the measured price of its rounding (docs/POLICIES.md),
-            while ``wfbp``, ``bytescheduler`` and ``usbyte`` send float32, DDP's numbers, unless ``wire_dtype``
-            asks; ``("float32",)`` keeps every plan on float32.
+            they are, the 16-bit ``"bfloat16"`` and ``"float16"``, and the 8-bit ``"int8"``);
+            ``plan_options={"wire_dtype": ...}`` asks for one of them for every bucket of float32 gradients.
+            float32 and both 16-bit dtypes by default: ``deft`` narrows a bucket where the link time it saves beats
+            the measured price of its rounding (docs/POLICIES.md), while ``wfbp``, ``bytescheduler`` and ``usbyte``
+            send float32, DDP's numbers, unless ``wire_dtype`` asks; ``("float32",)`` keeps every plan on float32,
+            and naming ``"int8"`` lets ``deft`` price the 8-bit wire too.
     """
 
     bucket_cap_mb: float = DDP_BUCKET_CAP_BYTES / MiB
