@@ -10,6 +10,7 @@ Plan data and pricing in one process; then, 2 gloo processes on the aten route:
   are the gathered bytes, the replicas agree, and the parameters stay within the quantization's error of the
   hook's.
 - Delayed buckets carry their 8-bit bytes under every delayed semantics; the replicas agree after ``flush()``.
+- A checkpoint holding pending 8-bit bytes resumes bit for bit.
 - ``deft`` allowed the 8-bit wire prices it on its first call beside the 16-bit ones.
 
 One Inductor run checks the compiled route against DDP with the hook around ``torch.compile(model)``
@@ -33,6 +34,7 @@ from deft_compile.preserver.wire_error import cast_error_norms, int8_round_trip
 from deft_compile.tools.launcher import run_local_workers
 from wire_workers import (deft_chooses_wire, delayed_wire_run, int8_bytes, int8_sum, priority_wire_beside_ddp,
                           wire_beside_ddp)
+from workers import checkpoint_run
 
 STEPS = 5
 SMALL_BUCKETS = {"first_bucket_mb": 0.0002, "bucket_cap_mb": 0.004}
@@ -54,9 +56,17 @@ CASE_LIST = (
 )
 
 
+
+
 @pytest.fixture(scope="module")
-def outcome(request):
-    return launch_cases(request, CASE_LIST, timeout_s=900.0)
+def outcome(request, tmp_path_factory):
+    path = f"{tmp_path_factory.mktemp('int8')}/ckpt"
+    resume = [Case(("checkpoint", run), checkpoint_run, ("mlp_dropout_sgd", start, stop, load, save, "compensated",
+                                                         "deft-int8"),
+                   tests=("test_a_checkpoint_with_pending_8_bit_bytes_resumes_exactly",))
+              for run, start, stop, load, save in (("straight", 0, 10, None, None), ("first", 0, 5, None, path),
+                                                   ("resumed", 5, 10, path, None))]
+    return launch_cases(request, CASE_LIST + resume, timeout_s=900.0)
 
 
 def _profile(world_size: int = 2, numel: int = 1000) -> Profile:
@@ -154,6 +164,21 @@ def test_delayed_buckets_carry_the_8_bit_bytes(outcome, delayed_update, accumula
         assert report["delayed"] > 0 and report["wire"] == ["int8"]
         assert report["pending_dtypes"] == ["torch.uint8"] and report["finite"] and report["pending_after_flush"] == []
     assert results[0]["sums"] == results[1]["sums"]
+
+
+def test_a_checkpoint_with_pending_8_bit_bytes_resumes_exactly(outcome):
+    """Ten compensated steps straight, against five saved with their pending bytes and five resumed in new step
+    objects: the same parameters, optimizer state and pending bytes, bit for bit."""
+    straight, first, resumed = (outcome(("checkpoint", run)) for run in ("straight", "first", "resumed"))
+    for rank in range(2):
+        assert first[rank]["pending_before_save"] > 0, "the checkpoint must carry pending bytes"
+        expected, actual = straight[rank], resumed[rank]
+        assert expected["state"].keys() == actual["state"].keys() and actual["step_count"] == 10
+        for name, tensor in expected["state"].items():
+            assert torch.equal(tensor, actual["state"][name]), f"rank {rank}: {name} differs after resuming"
+        assert {str(t.dtype) for t in expected["pending"].values()} == {"torch.uint8"}
+        for item, tensor in expected["pending"].items():
+            assert torch.equal(tensor, actual["pending"][item]), f"rank {rank}: pending item {item} differs"
 
 
 def test_deft_allowed_the_8_bit_wire_prices_it_beside_the_16_bit_ones(outcome):

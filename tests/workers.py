@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from deft_compile import DeftConfig, deft_compile
 from deft_compile.planner.closed_loop import ClosedLoopConfig
+from deft_compile.planner.plan import WIRE_DTYPES
 from models import CASES
 
 
@@ -256,6 +257,7 @@ POLICY_OPTIONS = {
     "deft": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000, "allow_period": False},
     "deft-period": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000},
     "deft-sync": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000, "max_staleness": 0},
+    "deft-int8": {"first_bucket_bytes": 1000, "bucket_cap_bytes": 4000, "allow_period": False, "wire_dtype": "int8"},
 }
 
 
@@ -763,7 +765,7 @@ def checkpoint_run(rank: int, world_size: int, case: str, start: int, stop: int,
     model, optimizer, loss_fn, batches, profile = case_setup(case, rank, world_size, stop)
     step = deft_compile(model, optimizer, loss_fn, policy="deft", profile=profile,
                         config=DeftConfig(plan_options=POLICY_OPTIONS[options], delayed_update=delayed_update,
-                                          **({"compiler": compiler} if compiler else {})))
+                                          wire_dtypes=WIRE_DTYPES, **({"compiler": compiler} if compiler else {})))
     if load is not None:
         checkpoint = torch.load(f"{load}.rank{rank}", weights_only=True)
         model.load_state_dict(checkpoint["model"])
