@@ -87,9 +87,9 @@ def choose_wire(profile: Profile, buckets: Sequence[Sequence[int]], wire_prices:
                 links: Sequence[LinkCost] | None = None) -> list[str]:
     """Each bucket's wire dtype: the dtype of ``wire_prices`` (dtype -> parameter name -> ms per step) whose link
     time saved, net of its price on a step of ``step_ms`` (``lost_ms``), is largest where ``narrowing_pays``,
-    float32 otherwise. A bucket holding a
-    parameter ``keep_float32`` names, or a gradient dtype that does not narrow, stays float32. A dtype absent
-    from ``wire_prices`` is never chosen (unmeasured: no price, no narrowing)."""
+    float32 otherwise. A bucket holding a parameter ``keep_float32`` names, or a gradient dtype that does not
+    narrow, stays float32. A dtype absent from ``wire_prices`` is never chosen (unmeasured: no price, no
+    narrowing)."""
     links = list(profile.links if links is None else links)
     choice = []
     for bucket in buckets:
