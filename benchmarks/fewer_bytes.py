@@ -15,10 +15,11 @@ averaged as DDP averages it. Variants (``--variants``):
 * ``float16``: each rank's gradient divided by the world size and rounded to float16, the sum rounded to float16
   (DDP's ``fp16_compress_hook``; the 16-bit wire deft chooses by default);
 * ``int8``, ``int8-ef``: each rank's gradient sent as 8 bits per element, a quarter of float32's bytes: per block
-  of ``INT8_BLOCK`` elements of each parameter, the integers round(g / s) in [-127, 127] with s = max|g| / 127 (one
-  float32 scale per block, 1.6 % more bytes); the receivers dequantize both ranks' and average. ``int8-ef`` keeps
+  of 256 elements of each parameter, the integers round(g / s) in [-127, 127] with s = max|g| / 127 (one float32
+  scale per block, 1.6 % more bytes); the receivers dequantize both ranks' and average: deft's 8-bit wire
+  (``wire_dtype="int8"``, docs/POLICIES.md), whose round trip ``wire_error.int8_round_trip`` is. ``int8-ef`` keeps
   each rank's rounding residual and adds it to its next gradient (error feedback, one float32 copy of the
-  gradients per rank). Not a deft wire dtype: a measurement of whether one would pay.
+  gradients per rank).
 
 ``--link RATE`` times instead what each wire costs on a loopback shaped to ``RATE`` (root and iproute2), two gloo
 workers, the model's gradient elements in ``--buckets`` equal buckets, ``--repeats`` rounds with the wires
@@ -46,28 +47,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-#: elements per int8 block (one float32 scale each)
-INT8_BLOCK = 256
 WIRES = ("float16", "int8", "int8-ef")
-
-
-def int8_round_trip(g):
-    """``g`` as the receivers see it after the int8 wire: per block of ``INT8_BLOCK``, round(g / s) * s with
-    s = max|g| / 127 (zero blocks stay zero)."""
-    import torch
-
-    flat = g.reshape(-1)
-    pad = (-flat.numel()) % INT8_BLOCK
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
-    scale = blocks.abs().amax(dim=1, keepdim=True) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.clamp(torch.round(blocks / safe), -127, 127)
-    return (q * scale).view(-1)[: flat.numel()].view_as(g)
 
 
 def wire_mean(kind: str, grads: list, residuals: list | None) -> list:
     """The mean gradient the ranks apply when each rank's gradient crosses the ``kind`` wire."""
     import torch
+
+    from deft_compile.preserver.wire_error import int8_round_trip
 
     if kind == "float16":  # divided by the world size, rounded, summed in float16 (fp16_compress_hook)
         return [(a.div(2).half() + b.div(2).half()).float() for a, b in zip(*grads)]
@@ -142,6 +129,8 @@ def link_worker(rank: int, world_size: int, numel: int, buckets: int, repeats: i
     """One rank of ``--link``: per wire, each round's time for all buckets, issued back to back and waited."""
     import torch
     import torch.distributed as dist
+
+    from deft_compile.planner.plan import INT8_BLOCK
 
     size = numel // buckets
     scales = -(-size // INT8_BLOCK)

@@ -141,7 +141,7 @@ class Trader:
         return sorted({item.wire_dtype for item in self.step.plan.items if item.narrowed})
 
     def judge_wire(self, step_count: int, names: list[str], sums: list[float]) -> PreserverEvent | None:
-        """Price the running plan's 16-bit wire on this measurement (``wire_pricing``): the buckets whose price no
+        """Price the running plan's narrower wire on this measurement (``wire_pricing``): the buckets whose price no
         longer pays for the link time they save go back to float32 for good (``Preserver.keep_float32``), and the
         step switches plans. ``sums``: rank sums of ``wire_error.cast_error_norms`` over ``names``, for
         ``wire_dtypes()``."""
@@ -165,11 +165,13 @@ class Trader:
         step_ms = self.running_step_ms()
         harmful = harmful_buckets(narrowed, prices, step_ms, compute)
         if not harmful:
-            log.debug("Preserver at step %d: the 16-bit wire of %d bucket(s) still pays", step_count, len(narrowed))
+            log.debug("Preserver at step %d: the narrower wire of %d bucket(s) still pays", step_count, len(narrowed))
             return None
-        described = "; ".join(f"{names[0]}{' ...' if len(names) > 1 else ''}: price {price:.3g} ms x step {step_ms:.3g}"
-                              f" / compute {compute:.3g} ms >= {saved:.3g} ms saved" for names, price, saved in harmful)
-        why = f"16-bit wire priced harmful on {len(harmful)} bucket(s), float32 from now on ({described})"
+        dtype_of = {names: dtype for names, dtype, _ in narrowed}
+        described = "; ".join(f"{names[0]}{' ...' if len(names) > 1 else ''} on {dtype_of[names]}: price {price:.3g} ms"
+                              f" x step {step_ms:.3g} / compute {compute:.3g} ms >= {saved:.3g} ms saved"
+                              for names, price, saved in harmful)
+        why = f"narrower wire priced harmful on {len(harmful)} bucket(s), float32 from now on ({described})"
         metrics = {"wire_prices_ms": {dtype: sum(by_name.values()) for dtype, by_name in prices.items()},
                    "harmful_buckets": [list(names) for names, _, _ in harmful]}
         event = self.preserver.keep_float32(step_count, {name for names, _, _ in harmful for name in names}, why,
