@@ -691,3 +691,50 @@ def test_the_step_solves_each_plan_once_per_profile():
     planning.profile = build_profile("gpt2", inter_gbps=25)  # a new profile object: solved again
     refined = planning.solve(unpriced)
     assert refined is not planning.solve({**unpriced, "max_staleness": 0}) and refined.hash() == plan.hash()
+
+
+# -- a loss signal's step down never adds staleness ----------------------------------------------------------------
+def _plan(delay: int, period: int) -> "Plan":
+    from deft_compile.planner.plan import CommItem, ParamSlice, Plan
+
+    return Plan("deft", [CommItem(0, (ParamSlice(0, 0, 10),), delay=delay, period=period),
+                         CommItem(1, (ParamSlice(1, 0, 10),))])
+
+
+class _LadderStep:
+    """A step for ``PreserverMonitor._apply``: a running plan that delays parameter 0, and a solver that answers the
+    ladder's first level (update period at most 2) with that delay plus a period of 2: a cap that made periods
+    cheaper than the running plan's none."""
+
+    def __init__(self) -> None:
+        self.plan = _plan(1, 1)
+        self.switches: list[dict] = []
+
+    def solve(self, options: dict) -> "Plan":
+        if options.get("max_staleness") == 0:
+            return _plan(0, 1)
+        if options.get("max_period") == 2:
+            return _plan(1, 2)
+        if "staleness_penalty_ms" in options:
+            return _plan(0, 1)
+        return _plan(1, 1)
+
+    def switch_plan(self, options: dict, reason: str) -> None:
+        self.switches.append(options)
+
+
+def test_a_step_down_skips_a_level_whose_plan_is_staler():
+    from deft_compile.preserver.decisions import PreserverEvent
+    from deft_compile.preserver.monitor import PreserverMonitor, staler
+
+    assert staler(_plan(1, 2), _plan(1, 1)) and staler(_plan(1, 1), _plan(0, 1))
+    assert not staler(_plan(0, 1), _plan(1, 2)) and not staler(_plan(1, 1), _plan(1, 1))
+    step, preserver = _LadderStep(), _preserver()
+    monitor = PreserverMonitor(step, preserver)
+    event = preserver._step_down(760, "window mean loss rose", {})
+    monitor._apply(event)
+    reasons = [e.reason for e in preserver.history]  # the signal's level (period at most 2), then _apply's
+    assert "re-planning: update period at most 2" in reasons[0]
+    assert "would delay or skip more updates at that level; re-planning: no update period" in reasons[1]
+    assert "did not change at that level; re-planning: delay only" in reasons[2]  # no period: the same delay
+    assert len(step.switches) == 1 and "staleness_penalty_ms" in step.switches[0], step.switches

@@ -54,7 +54,8 @@ loss that is not finite is acted on at once.
 A loss signal steps down a ladder of global options and re-solves: halve the
 largest update period (down to no period), then price staleness so only
 buckets that hide much more communication stay delayed, then fully synchronous
-(DDP). Pending gradients are flushed before every switch, so none is lost.
+(DDP); a rung whose plan is the running one, or staler than it, is skipped. Pending
+gradients are flushed before every switch, so none is lost.
 Every decision is logged on the ``deft_compile`` logger and kept in
 ``history`` (and in ``CompiledStep.plan_history``).
 

@@ -471,13 +471,18 @@ class PreserverMonitor:
         return event
 
     def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
-        """Switch to the event's plan. A ladder level whose plan is the same as the current one is skipped
-        (``step_down``), and the level that switches names the event's cause with it; a pinning that leaves the
-        plan as it is changes nothing."""
-        current = _schedule(self.step.plan)
-        while step_down and _schedule(self.step.solve(self.preserver.options)) == current and not self.preserver.exhausted:
-            self.preserver._step_down(event.step, f"{event.reason}; the plan did not change at that level",
-                                      event.metrics)
+        """Switch to the event's plan. A ladder level whose plan is the same as the current one, or staler
+        (``staler``: a level's cap on the update period can make periods cheaper than the running plan's none), is
+        skipped (``step_down``), and the level that switches names the event's cause with it; a pinning that
+        leaves the plan as it is changes nothing."""
+        running = self.step.plan
+        current = _schedule(running)
+        while step_down and not self.preserver.exhausted:
+            plan = self.step.solve(self.preserver.options)
+            if _schedule(plan) != current and not staler(plan, running):
+                break
+            why = "did not change" if _schedule(plan) == current else "would delay or skip more updates"
+            self.preserver._step_down(event.step, f"{event.reason}; the plan {why} at that level", event.metrics)
         if _schedule(self.step.solve(self.preserver.options)) != current:
             self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)
 
@@ -487,6 +492,14 @@ def replay_shape(since: dict) -> tuple[int, int]:
     arm is evaluated on."""
     batches = since["batches"]
     return max(0, len(batches) - lag_steps(since["schedules"])), min(len(batches), _REPLAY_EVALUATION_BATCHES)
+
+
+def staler(plan: Plan, than: Plan) -> bool:
+    """Whether ``plan`` delays some parameter more, or gives it a longer update period, than ``than`` does: what a
+    step down the ladder must never do."""
+    before = than.param_schedule()
+    return any(delay > before.get(p, (0, 1, 0))[0] or period > before.get(p, (0, 1, 0))[1]
+               for p, (delay, period, _offset) in plan.param_schedule().items())
 
 
 def _schedule(plan: Plan) -> list[dict]:
