@@ -471,18 +471,11 @@ class PreserverMonitor:
         return event
 
     def _apply(self, event: PreserverEvent, step_down: bool = True) -> None:
-        """Switch to the event's plan. A ladder level whose plan is the same as the current one, or staler
-        (``staler``: a level's cap on the update period can make periods cheaper than the running plan's none), is
-        skipped (``step_down``), and the level that switches names the event's cause with it; a pinning that
-        leaves the plan as it is changes nothing."""
-        running = self.step.plan
-        current = _schedule(running)
-        while step_down and not self.preserver.exhausted:
-            plan = self.step.solve(self.preserver.options)
-            if _schedule(plan) != current and not staler(plan, running):
-                break
-            why = "did not change" if _schedule(plan) == current else "would delay or skip more updates"
-            self.preserver._step_down(event.step, f"{event.reason}; the plan {why} at that level", event.metrics)
+        """Switch to the event's plan, past the ladder levels ``step_down_past`` skips (``step_down``); the level
+        that switches names the event's cause. A pinning that leaves the plan as it is changes nothing."""
+        current = _schedule(self.step.plan)
+        if step_down:
+            step_down_past(self.step, self.preserver, event)
         if _schedule(self.step.solve(self.preserver.options)) != current:
             self.step.switch_plan(self.preserver.options, self.preserver.history[-1].reason)
 
@@ -492,6 +485,19 @@ def replay_shape(since: dict) -> tuple[int, int]:
     arm is evaluated on."""
     batches = since["batches"]
     return max(0, len(batches) - lag_steps(since["schedules"])), min(len(batches), _REPLAY_EVALUATION_BATCHES)
+
+
+def step_down_past(step: WatchedStep, preserver: Preserver, event: PreserverEvent) -> None:
+    """Step down the ladder past every level whose plan is the running one, or staler than it (``staler``: a
+    level's cap on the update period can make periods cheaper than the running plan's none)."""
+    running, current = step.plan, _schedule(step.plan)
+    while not preserver.exhausted:
+        plan = step.solve(preserver.options)
+        same = _schedule(plan) == current
+        if not same and not staler(plan, running):
+            return
+        why = "did not change" if same else "would delay or skip more updates"
+        preserver._step_down(event.step, f"{event.reason}; the plan {why} at that level", event.metrics)
 
 
 def staler(plan: Plan, than: Plan) -> bool:
