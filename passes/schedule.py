@@ -73,8 +73,9 @@ locally: the flat gradient, divided by ``count * world_size``, is cut per slice
 into blocks of ``block`` elements (each slice padded with zeros to whole
 blocks, so a block never mixes two parameters); each block is sent as the
 integers round(g / s) in [-127, 127] with s = max|g| / 127, followed by the
-blocks' float32 scales, in one byte tensor (``all_gather_into_tensor``, waited
-where it is launched: it does not overlap compute). The receiver dequantizes every rank's row, sums them in float32 in rank order (the
+blocks' float32 scales, in one byte tensor (``all_gather_into_tensor``; each
+waits for the group's previous gather first, so one is in flight at a time).
+The receiver dequantizes every rank's row, sums them in float32 in rank order (the
 same sum on every rank: replicas stay identical) and drops the padding. A
 carried 8-bit item carries its byte tensor.
 """
@@ -373,12 +374,9 @@ class _ScheduleRewriter:
 
     def _launch(self, flat: fx.Node, item: ScheduledItem) -> fx.Node:
         """The collective that sends ``flat`` (what ``_to_wire`` made): an in-place sum, or for the 8-bit wire a
-        gather of every rank's bytes, waited where it is launched (the later wait finds nothing in flight): with
-        the gather left in flight beside the step's compute, runs on a shaped link corrupted the heap within 25
-        steps, on both routes (docs/POLICIES.md, "The 8-bit wire")."""
+        gather of every rank's bytes (``_chain_gathers`` keeps one in flight per group)."""
         if item.wire_dtype is torch.int8:
-            gathered = self.graph.call_function(ALL_GATHER, (flat, item.world_size, item.group_name))
-            return self.graph.call_function(WAIT, (gathered,))
+            return self.graph.call_function(ALL_GATHER, (flat, item.world_size, item.group_name))
         return self.graph.call_function(ALL_REDUCE_, (flat, "sum", item.group_name))
 
     def _from_wire(self, averaged: fx.Node, item: ScheduledItem, *, bucket: fx.Node | None = None,
@@ -485,6 +483,20 @@ class _ScheduleRewriter:
         self._rebuild_output(applied)
         if self.flush:
             self._prune_to_flush()
+        self._chain_gathers()
+
+    def _chain_gathers(self) -> None:
+        """Before each 8-bit gather, wait for the group's previous one in graph order, so that one gather per group
+        is in flight, beside compute and all-reduces: tens of gloo all-gathers in flight at once corrupt the heap
+        (``benchmarks/gathers_in_flight.py`` reproduces it without deft)."""
+        previous: dict[str, fx.Node] = {}
+        for node in list(self.graph.nodes):
+            if node.op == "call_function" and node.target is ALL_GATHER:
+                group = node.args[2]
+                if group in previous:
+                    with self.graph.inserting_before(node):
+                        self.graph.call_function(WAIT, (previous[group],))
+                previous[group] = node
 
     def _add_carry_inputs(self) -> dict[str, fx.Node]:
         keys = []

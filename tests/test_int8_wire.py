@@ -201,3 +201,18 @@ def test_wfbp_on_the_8_bit_wire_on_inductor_is_ddp_with_its_hook_to_round_off():
         drift = max(entry["sides"][1]["max_rel"] for entry in report["steps"])  # torch.compile with the hook
         assert worst(report["steps"]) > 0, "Inductor gave the aten numbers exactly: the compiled route did not run"
         check_within_drift(report["steps"], drift, f"int8 rank {rank}")
+
+
+def test_the_closed_loop_re_solves_a_plan_on_the_8_bit_wire():
+    """The dtypes allowed are the step's, not a plan's recorded options: the closed loop's refined re-solve and its
+    synchronous candidate keep a plan's 8-bit wire instead of refusing it."""
+    from deft_compile.planner.closed_loop import refined_plan, synchronous_candidate
+    from deft_compile.planner.zoo_profiles import build_profile
+
+    profile = build_profile("resnet101")
+    own = {"wire_dtype": "int8", "wire_dtypes": WIRE_DTYPES}
+    initial = solve(profile, "deft", **own)
+    assert {item.wire_dtype for item in refined_plan(profile, "deft", initial, own).items} == {"int8"}
+    wfbp = solve(profile, "wfbp", **own)
+    candidate = synchronous_candidate("wfbp", wfbp, profile, lambda options: None)
+    assert {item.wire_dtype for item in candidate.items} == {"int8"}
