@@ -142,7 +142,7 @@ def test_a_measurement_that_prices_a_narrowed_bucket_harmful_names_it():
     items = [(("a", "b"), "float16", 0.5), (("c",), "bfloat16", 0.5)]
     prices = {"float16": {"a": 0.1, "b": 0.3}, "bfloat16": {"c": 0.01}}
     # step 10 ms, compute 8 ms: (0.1 + 0.3) x 10 / 8 = 0.5 ms lost, not less than the 0.5 ms saved
-    assert harmful_buckets(items, prices, 10.0, 8.0) == [(("a", "b"), pytest.approx(0.4), 0.5)]
+    assert harmful_buckets(items, prices, 10.0, 8.0) == [(("a", "b"), "float16", pytest.approx(0.4), 0.5)]
     assert harmful_buckets(items, prices, 9.0, 8.0) == []
 
 

@@ -167,14 +167,13 @@ class Trader:
         if not harmful:
             log.debug("Preserver at step %d: the narrower wire of %d bucket(s) still pays", step_count, len(narrowed))
             return None
-        dtype_of = {names: dtype for names, dtype, _ in narrowed}
-        described = "; ".join(f"{names[0]}{' ...' if len(names) > 1 else ''} on {dtype_of[names]}: price {price:.3g} ms"
+        described = "; ".join(f"{names[0]}{' ...' if len(names) > 1 else ''} on {dtype}: price {price:.3g} ms"
                               f" x step {step_ms:.3g} / compute {compute:.3g} ms >= {saved:.3g} ms saved"
-                              for names, price, saved in harmful)
+                              for names, dtype, price, saved in harmful)
         why = f"narrower wire priced harmful on {len(harmful)} bucket(s), float32 from now on ({described})"
         metrics = {"wire_prices_ms": {dtype: sum(by_name.values()) for dtype, by_name in prices.items()},
-                   "harmful_buckets": [list(names) for names, _, _ in harmful]}
-        event = self.preserver.keep_float32(step_count, {name for names, _, _ in harmful for name in names}, why,
+                   "harmful_buckets": [list(names) for names, *_ in harmful]}
+        event = self.preserver.keep_float32(step_count, {name for names, *_ in harmful for name in names}, why,
                                             metrics)
         step.switch_plan(self.preserver.options, why)
         return event

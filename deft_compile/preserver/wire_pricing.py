@@ -66,16 +66,16 @@ def wire_prices(shares: dict[str, dict[str, float]], compute_ms: float,
 
 
 def harmful_buckets(items: Sequence[tuple[tuple[str, ...], str, float]], prices: dict[str, dict[str, float]],
-                    step_ms: float, compute_ms: float) -> list[tuple[tuple[str, ...], float, float]]:
+                    step_ms: float, compute_ms: float) -> list[tuple[tuple[str, ...], str, float, float]]:
     """The narrowed buckets a new measurement prices as harmful: ``items`` are (parameter names, wire dtype, link
     ms saved per step by narrowing) of the running plan's narrowed buckets; a bucket is harmful where its price
-    at its dtype no longer pays for the time it saves (``planner.wire.narrowing_pays``). Returns (names, price,
-    saved) of each."""
+    at its dtype no longer pays for the time it saves (``planner.wire.narrowing_pays``). Returns (names, dtype,
+    price, saved) of each."""
     from deft_compile.planner.wire import narrowing_pays
 
     harmful = []
     for names, dtype, saved in items:
         price = sum(prices.get(dtype, {}).get(name, 0.0) for name in names)
         if not narrowing_pays(saved, price, step_ms, compute_ms):
-            harmful.append((names, price, saved))
+            harmful.append((names, dtype, price, saved))
     return harmful
