@@ -25,7 +25,7 @@ import torch
 from batched import Case, launch_cases
 from bounds import check_within_drift, worst
 from deft_compile import DeftConfig
-from deft_compile.planner.plan import (INT8_BLOCK, WIRE_DTYPES, CommItem, LinkCost, ParamProfile, ParamSlice, Plan,
+from deft_compile.planner.plan import (DEFAULT_WIRE_DTYPES, INT8_BLOCK, WIRE_DTYPES, CommItem, LinkCost, ParamProfile, ParamSlice, Plan,
                                        Profile)
 from deft_compile.planner.simulator import simulate
 from deft_compile.planner.solvers import solve
@@ -91,12 +91,13 @@ def test_the_8_bit_wire_is_allowed_only_when_asked():
     assert DeftConfig(wire_dtypes=("float32", "int8")).wire_dtypes == ("float32", "int8")
     profile = _profile()
     with pytest.raises(ValueError, match="not among the allowed"):
-        solve(profile, "wfbp", wire_dtype="int8")
+        solve(profile, "wfbp", wire_dtype="int8", wire_dtypes=DEFAULT_WIRE_DTYPES)  # what DeftConfig() passes
     plan = solve(profile, "wfbp", wire_dtype="int8", wire_dtypes=WIRE_DTYPES)
     assert [item.wire_dtype for item in plan.items] == ["int8"] and "int8" in plan.table(profile)
     # prices of a dtype not allowed are dropped: the defaults never choose it
     prices = {dtype: {"p0": 0.0} for dtype in ("float16", "int8")}
-    assert {item.wire_dtype for item in solve(profile, "deft", max_staleness=0, wire_prices=prices).items} == {"float16"}
+    assert {item.wire_dtype for item in solve(profile, "deft", max_staleness=0, wire_prices=prices,
+                                              wire_dtypes=DEFAULT_WIRE_DTYPES).items} == {"float16"}
 
 
 def test_a_bucket_takes_the_wire_that_saves_the_most_net_of_its_price():
@@ -204,14 +205,15 @@ def test_wfbp_on_the_8_bit_wire_on_inductor_is_ddp_with_its_hook_to_round_off():
 
 
 def test_the_closed_loop_re_solves_a_plan_on_the_8_bit_wire():
-    """The dtypes allowed are the step's, not a plan's recorded options: the closed loop's refined re-solve and its
-    synchronous candidate keep a plan's 8-bit wire instead of refusing it."""
+    """The closed loop re-solves from a plan's recorded options, which do not list the dtypes allowed: its refined
+    re-solve and its synchronous candidate keep a plan's 8-bit wire instead of refusing it."""
     from deft_compile.planner.closed_loop import refined_plan, synchronous_candidate
     from deft_compile.planner.zoo_profiles import build_profile
 
     profile = build_profile("resnet101")
     own = {"wire_dtype": "int8", "wire_dtypes": WIRE_DTYPES}
     initial = solve(profile, "deft", **own)
+    assert "wire_dtypes" not in initial.options
     assert {item.wire_dtype for item in refined_plan(profile, "deft", initial, own).items} == {"int8"}
     wfbp = solve(profile, "wfbp", **own)
     candidate = synchronous_candidate("wfbp", wfbp, profile, lambda options: None)

@@ -101,7 +101,6 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from deft_compile.planner.plan import WIRE_DTYPES
 from deft_compile.planner.simulator import coverage_rate
 from deft_compile.planner.solvers import solve
 from deft_compile.planner.solvers.hybrid import PRIORITY_SOLVERS, priority_plan_with_wire, wire_by_param
@@ -576,7 +575,7 @@ def synchronous_candidate(policy: str, plan, profile, solve_own: Callable[[dict]
     if policy == "deft":
         return solve_own({**plan.options, "max_staleness": 0, "allow_period": False})
     options = {k: v for k, v in plan.options.items() if k in ("first_bucket_bytes", "bucket_cap_bytes", "wire_dtype")}
-    return solve(profile, "wfbp", **options, wire_dtypes=WIRE_DTYPES)  # the plan's own wire was allowed
+    return solve(profile, "wfbp", **options)
 
 
 def priority_plans(profile, wire_of: dict[int, str] | None = None) -> list:
@@ -640,9 +639,7 @@ def refined_plan(profile, policy: str, initial, own_options: dict[str, Any]):
     max_staleness=0) or a priority plan (another solver's options). A priority policy's plan options are its
     search's results (partition size, credit, ...): it searches again, from the step's own options
     (``own_options``)."""
-    options = dict(own_options) if policy in PRIORITY_POLICIES else dict(initial.options)
-    if "wire_dtypes" in own_options:  # the dtypes allowed are the step's, not recorded in a plan's options
-        options["wire_dtypes"] = own_options["wire_dtypes"]
+    options = own_options if policy in PRIORITY_POLICIES else dict(initial.options)
     return solve_stable(profile, policy, incumbent=initial, **options)
 
 

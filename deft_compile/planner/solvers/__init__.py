@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import dataclasses
 
-from deft_compile.planner.plan import DEFAULT_WIRE_DTYPES, WIRE_FULL, Plan, Profile, check_wire_dtype
+from deft_compile.planner.plan import WIRE_DTYPES, WIRE_FULL, Plan, Profile, check_wire_dtype
 from deft_compile.planner.simulator import UPDATE_WAITS_FOR_ALL, simulate
 from deft_compile.planner.solvers.bytescheduler import solve_bytescheduler
 from deft_compile.planner.solvers.deft import solve_deft
@@ -73,8 +73,10 @@ def solve(profile: Profile, policy: str, **options: Any) -> Plan:
 
 def _check_wire(policy: str, options: dict[str, Any]) -> None:
     """Take ``wire_dtypes`` out of ``options`` and check ``wire_dtype`` against it; a full-precision
-    ``wire_dtype`` goes too (every solver's default)."""
-    allowed = tuple(options.pop("wire_dtypes", DEFAULT_WIRE_DTYPES))
+    ``wire_dtype`` goes too (every solver's default). Without ``wire_dtypes`` every known dtype is allowed: the
+    step passes ``DeftConfig.wire_dtypes``, and a plan's recorded options (re-solved by the closed loop) hold only
+    a wire and prices that were allowed when it was made."""
+    allowed = tuple(options.pop("wire_dtypes", WIRE_DTYPES))
     for dtype in allowed:
         check_wire_dtype(dtype)
     if "keep_float32" in options and policy != "deft":
