@@ -103,7 +103,7 @@ def may_narrow(dtype: str) -> bool:
     return (dtype[len("torch."):] if dtype.startswith("torch.") else dtype) in NARROWABLE_DTYPES
 
 
-def wire_element_bytes(dtype: str, wire_dtype: str, world_size: int = 2) -> float:
+def wire_element_bytes(dtype: str, wire_dtype: str, world_size: int) -> float:
     """Bytes per element on the link of a gradient of ``dtype`` sent as ``wire_dtype``, in the all-reduce bytes the
     link's cost (``LinkCost``, fitted on all-reduces) is in: the wire's where it narrows the gradient, the gradient's
     own otherwise (full precision, or a dtype that does not narrow). The 8-bit wire is an all-gather: each rank
